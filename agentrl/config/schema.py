@@ -1,0 +1,213 @@
+"""The one typed config of agentrl: every section of a run's YAML, validated, with defaults that run on CPU.
+
+Models forbid unknown keys. Free-form sections are typed `dict[str, ...]` (env kwargs, engine kwargs, env
+tags, tool sets): only there may the command line add keys with `+key=value`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("builtin:tiny", description="HF model dir, hub id, or builtin:NAME (built on first use)")
+    tokenizer: str | None = Field(None, description="tokenizer path; defaults to the model path")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    cache_dir: str = Field("~/.cache/agentrl/models", description="where builtin models are built")
+    trust_remote_code: bool = False
+
+
+class EnvSpec(Section):
+    env_id: str = Field(..., description="registered env id, e.g. agentrl/SimpleSokoban-v0")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="env constructor kwargs (free keys)")
+    max_turns: PositiveInt = 10
+    group_size: PositiveInt = Field(8, description="episodes per task seed (GRPO group)")
+    groups_per_batch: PositiveInt = Field(4, description="groups of this tag in one training batch")
+    seed_start: int = Field(0, description="first task seed; validation uses disjoint seeds")
+    tools: list[str] = Field(default_factory=list, description="tool sets this env may call")
+
+
+class EnvsConfig(Section):
+    train: dict[str, EnvSpec] = Field(
+        default_factory=lambda: {"sokoban": EnvSpec(env_id="agentrl/SimpleSokoban-v0", max_turns=15)}
+    )
+    val: dict[str, EnvSpec] = Field(default_factory=dict)
+    sample_mode: Literal["trajectory", "step"] = "trajectory"
+    step_history_window: int = Field(0, ge=0, description="step-wise samples: past turns kept in the prompt")
+    max_tokens_per_turn: PositiveInt = 64
+    max_total_tokens: PositiveInt = 4096
+    num_managers: PositiveInt = 1
+    step_timeout_s: PositiveFloat = 30.0
+
+
+class ToolSpec(Section):
+    python: str | None = Field(None, description="module:function for an in-process tool")
+    url: str | None = Field(None, description="tool server base URL for a remote tool")
+    timeout_s: PositiveFloat = 10.0
+    token_env: str | None = Field(None, description="environment variable holding the bearer token")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> ToolSpec:
+        if (self.python is None) == (self.url is None):
+            raise ValueError("a tool needs exactly one of `python` (module:function) or `url`")
+        return self
+
+
+class ToolsConfig(Section):
+    sets: dict[str, dict[str, ToolSpec]] = Field(default_factory=dict, description="tool set -> name -> tool")
+    parser: str = Field("hermes", description="tool-call parser name")
+    max_calls_per_turn: PositiveInt = 4
+    max_calls_per_episode: PositiveInt = 32
+
+
+class RewardFnSpec(Section):
+    name: str = Field(..., description="registered reward name or module:function")
+    weight: float = 1.0
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout_s: PositiveFloat = 30.0
+
+
+class RewardConfig(Section):
+    functions: list[RewardFnSpec] = Field(default_factory=list)
+    env_reward_weight: float = Field(1.0, description="return = env_reward_weight * env return + sum(w_i r_i)")
+    num_workers: PositiveInt = 1
+    queue_size: PositiveInt = 1024
+    timeout_s: PositiveFloat = 60.0
+
+
+class SamplingConfig(Section):
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
+    max_tokens: PositiveInt = 64
+    stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "sglang", "remote"] = "vllm"
+    num_engines: PositiveInt = 1
+    url: str | None = Field(None, description="base URL of a running server (backend=remote)")
+    max_model_len: PositiveInt = 4096
+    enforce_eager: bool = True
+    kv_cache_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    val_sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    request_timeout_s: PositiveFloat = 300.0
+
+    @model_validator(mode="after")
+    def _remote_needs_url(self) -> RolloutConfig:
+        if self.backend == "remote" and not self.url:
+            raise ValueError("rollout.backend=remote needs rollout.url")
+        return self
+
+
+class OptimConfig(Section):
+    lr: PositiveFloat = 3e-4
+    weight_decay: float = Field(0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: PositiveFloat = 1e-8
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "linear", "cosine"] = "constant"
+    grad_clip: PositiveFloat = 1.0
+
+
+class AlgorithmConfig(Section):
+    advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "step_return", "gae"] = "grpo"
+    loss: Literal["decoupled_ppo", "ppo_clip"] = "decoupled_ppo"
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    clip_low: float = Field(0.2, ge=0.0)
+    clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
+    dual_clip: float | None = Field(None, gt=1.0, description="dual-clip constant c (e.g. 3.0); None = off")
+    is_truncation: float = Field(2.0, gt=0.0, description="truncate behaviour importance weights at this")
+    is_level: Literal["token", "sequence"] = "token"
+    kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    kl_in_reward: bool = False
+    entropy_coef: float = Field(0.0, ge=0.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
+    ppo_epochs: PositiveInt = 1
+
+
+class SFTConfig(Section):
+    """Warm start on expert demonstrations from the envs before RL."""
+
+    enabled: bool = False
+    episodes: PositiveInt = 2000
+    steps: int = Field(200, ge=0)
+    batch_size: PositiveInt = 64
+    lr: PositiveFloat = 1e-3
+
+
+class TrainerConfig(Section):
+    backend: Literal["fsdp2"] = "fsdp2"
+    num_ranks: PositiveInt = 1
+    total_steps: PositiveInt = 100
+    micro_batch_tokens: PositiveInt = Field(8192, description="token budget per packed micro-batch")
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
+
+class AsyncConfig(Section):
+    max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
+    partial_rollout: bool = Field(False, description="abort in-flight generations at weight updates and resume")
+
+
+class ValidationConfig(Section):
+    every_steps: int = Field(10, ge=0, description="0 disables validation")
+    episodes_per_tag: PositiveInt = 64
+    seed_start: int = 1_000_000
+
+
+class LoggingConfig(Section):
+    run_dir: str = Field("runs/{name}", description="{name} is replaced by the run name")
+    console: bool = True
+    jsonl: bool = True
+    tensorboard: bool = True
+    trackers: list[Literal["wandb", "mlflow", "swanlab"]] = Field(default_factory=list)
+    project: str = "agentrl"
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(0, ge=0, description="0 saves only at the end")
+    keep_last: PositiveInt = 2
+    resume: Literal["auto", "never"] = "auto"
+
+
+class Config(Section):
+    name: str = "agentrl"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    envs: EnvsConfig = Field(default_factory=EnvsConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="after")
+    def _tool_sets_exist(self) -> Config:
+        for tag, spec in {**self.envs.train, **self.envs.val}.items():
+            for name in spec.tools:
+                if name not in self.tools.sets:
+                    known = ", ".join(sorted(self.tools.sets)) or "none defined"
+                    raise ValueError(f"envs.{tag}.tools names unknown tool set {name!r} (tools.sets: {known})")
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        return self.logging.run_dir.replace("{name}", self.name)

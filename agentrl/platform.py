@@ -1,0 +1,137 @@
+"""The one place that knows whether we run on CPU, CUDA or Ascend NPU.
+
+Everything device-specific (torch device, collective backend, Ray resource name, visible-devices variable,
+thread settings, vLLM environment) is answered here so that no other module branches on the hardware.
+`torch_npu` is imported lazily and only when the package is present: importing it on a machine without the
+CANN runtime breaks `import torch` itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+PlatformKind = Literal["cpu", "cuda", "npu"]
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: PlatformKind
+    device_type: str
+    dist_backend: str
+    ray_resource: str | None
+    visible_devices_env: str | None
+    device_count: int
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+    def torch_device(self, index: int = 0):
+        import torch
+
+        if self.kind == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device_type, index)
+
+    def default_dtype(self):
+        """float32 on CPU (bf16 matmul is ~65x slower without AVX512/AMX), bf16 on accelerators."""
+        import torch
+
+        return torch.float32 if self.kind == "cpu" else torch.bfloat16
+
+    def ray_actor_options(self, num_devices: float = 1.0) -> dict:
+        """Resources one rank or engine actor asks Ray for."""
+        if self.kind == "cpu":
+            return {"num_cpus": 0}
+        if self.kind == "cuda":
+            return {"num_gpus": num_devices, "num_cpus": 0}
+        return {"resources": {self.ray_resource: num_devices}, "num_cpus": 0}
+
+    def vllm_env(self, kv_cache_gib: int = 1) -> dict[str, str]:
+        """Environment variables for an in-process vLLM engine on this platform."""
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if self.kind == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+        return env
+
+
+CPU = Platform("cpu", "cpu", "gloo", None, None, 0)
+
+
+def _probe_npu() -> int:
+    """Number of Ascend NPUs; 0 when torch_npu is absent or finds no device."""
+    if importlib.util.find_spec("torch_npu") is None:
+        return 0
+    try:
+        import torch
+        import torch_npu  # noqa: F401  (registers the npu device with torch)
+
+        return int(torch.npu.device_count()) if torch.npu.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _probe_cuda() -> int:
+    import torch
+
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def platform_for(kind: PlatformKind, device_count: int = 0) -> Platform:
+    if kind == "cuda":
+        return Platform("cuda", "cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES", device_count)
+    if kind == "npu":
+        return Platform("npu", "npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES", device_count)
+    return CPU
+
+
+@lru_cache(maxsize=1)
+def detect() -> Platform:
+    """Detect the platform once per process. AGENTRL_PLATFORM=cpu|cuda|npu forces a choice."""
+    forced = os.environ.get("AGENTRL_PLATFORM", "").strip().lower()
+    if forced == "cpu":
+        return CPU
+    if forced in ("cuda", "npu"):
+        count = _probe_cuda() if forced == "cuda" else _probe_npu()
+        if count == 0:
+            raise RuntimeError(f"AGENTRL_PLATFORM={forced} but no {forced} device was found")
+        return platform_for(forced, count)  # type: ignore[arg-type]
+    if forced:
+        raise RuntimeError(f"AGENTRL_PLATFORM must be cpu, cuda or npu, got {forced!r}")
+    npus = _probe_npu()
+    if npus:
+        return platform_for("npu", npus)
+    gpus = _probe_cuda()
+    if gpus:
+        return platform_for("cuda", gpus)
+    return CPU
+
+
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+
+
+def configure_cpu_threads(num_threads: int = 1) -> None:
+    """One torch thread per process: with two busy processes on 2 cores, 2 threads each was 6-10x slower."""
+    import torch
+
+    for var in THREAD_ENV_VARS[:-1]:
+        os.environ.setdefault(var, str(num_threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    torch.set_num_threads(num_threads)
+    try:
+        torch.set_num_interop_threads(num_threads)
+    except RuntimeError:
+        pass  # already set once in this process
+
+
+def worker_env() -> dict[str, str]:
+    """Environment for Ray workers (runtime_env env_vars): thread caps on CPU."""
+    env = {"TOKENIZERS_PARALLELISM": "false"}
+    if detect().kind == "cpu":
+        env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+    return env

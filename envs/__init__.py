@@ -1,0 +1,1 @@
+"""agentrl.envs (installed from the top-level envs/ folder)."""

@@ -1,0 +1,1 @@
+"""agentrl.reward (installed from the top-level reward/ folder)."""

@@ -1,0 +1,1 @@
+"""agentrl.tools (installed from the top-level tools/ folder)."""
