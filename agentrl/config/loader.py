@@ -58,6 +58,11 @@ def _child_type(parent: Any, key: str) -> Any:
     return Any
 
 
+def _is_model(annotation: Any) -> bool:
+    annotation = _unwrap(annotation)
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
 def _is_free_section(annotation: Any) -> bool:
     annotation = _unwrap(annotation)
     return annotation is Any or typing.get_origin(annotation) is dict or annotation is dict
@@ -109,7 +114,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
         if annotation is None:
             hint = _schema_keys_hint(parent_annotation)
             raise ConfigError(f"{dotted}: unknown key" + (f" ({hint})" if hint else ""))
-        if not exists:
+        known_field = _is_model(parent_annotation)  # a schema field with a default, absent from the data
+        if not exists and not known_field:
             if not (adding and last):
                 if _is_free_section(parent_annotation):
                     raise ConfigError(
@@ -121,12 +127,12 @@ def apply_override(data: dict[str, Any], override: str) -> None:
                     f"+{dotted}: section {'.'.join(path[:depth]) or '<root>'} does not take new keys "
                     f"({_schema_keys_hint(parent_annotation)})"
                 )
-        elif adding and last:
+        elif exists and adding and last:
             raise ConfigError(f"+{dotted}: key already exists; set it without the leading +")
         if last:
             node[key_obj] = value
         else:
-            if node[key_obj] is None:
+            if node.get(key_obj) is None if isinstance(node, dict) else node[key_obj] is None:
                 node[key_obj] = {}
             node = node[key_obj]
 

@@ -1,0 +1,23 @@
+# Two commands do everything on a fresh machine: `make train` and `make test` (each sets up .venv first).
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= examples/agentic_sokoban.yaml
+
+.PHONY: setup train test lint bench
+
+setup:
+	@bash scripts/setup_venv.sh
+
+train: setup
+	$(BIN)/agentrl train $(CONFIG)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: setup
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done

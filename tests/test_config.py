@@ -1,0 +1,115 @@
+"""Typed config: YAML + overrides, and every mistake named by its full key path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from agentrl.config import ConfigError, dump_yaml, load_config
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "agentic_sokoban.yaml"
+
+
+def test_defaults_validate_and_example_loads():
+    cfg = load_config()
+    assert cfg.rollout.backend == "vllm" and cfg.async_.max_staleness == 0
+    example = load_config(EXAMPLE)
+    assert example.envs.train["sokoban"].env_id == "agentrl/SimpleSokoban-v0"
+    assert example.async_.partial_rollout is True
+
+
+def test_typed_overrides_scalars_lists_and_nested():
+    cfg = load_config(
+        EXAMPLE,
+        [
+            "trainer.total_steps=3",
+            "trainer.optim.lr=1e-3",
+            "rollout.sampling.stop_token_ids=[5, 7]",
+            "async.partial_rollout=false",
+            "+envs.train.sokoban.kwargs.dim=[8, 8]",
+            "+envs.train.extra={env_id: agentrl/FrozenLake-v0}",
+        ],
+    )
+    assert cfg.trainer.total_steps == 3
+    assert cfg.trainer.optim.lr == pytest.approx(1e-3)
+    assert cfg.rollout.sampling.stop_token_ids == [5, 7]
+    assert cfg.async_.partial_rollout is False
+    assert cfg.envs.train["sokoban"].kwargs == {"dim": [8, 8]}
+    assert cfg.envs.train["extra"].env_id == "agentrl/FrozenLake-v0"
+
+
+def test_list_index_override():
+    cfg = load_config(None, ["reward.functions=[{name: exact_match}]", "reward.functions.0.weight=0.5"])
+    assert cfg.reward.functions[0].weight == 0.5
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("trainer.totl_steps=3", "trainer.totl_steps: unknown key (allowed: backend, num_ranks, total_steps"),
+        ("trainer.total_steps=abc", "trainer.total_steps: Input should be a valid integer"),
+        ("trainer.total_steps=0", "trainer.total_steps: Input should be greater than 0"),
+        ("rollout.backend=tpu", "rollout.backend: Input should be 'vllm', 'sglang' or 'remote'"),
+        ("envs.train.nope.max_turns=2", "use +envs.train.nope=... to add"),
+        ("+trainer.foo=1", "trainer.foo: unknown key"),
+        ("+trainer.total_steps=1", "already exists"),
+        ("trainer", "expected key=value"),
+        ("reward.functions.3.weight=1", "no list item 3"),
+    ],
+)
+def test_bad_overrides_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(EXAMPLE, [override])
+    assert expected in str(err.value)
+
+
+def test_bad_yaml_keys_and_cross_section_checks(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  optim:\n    lrr: 0.1\n")
+    with pytest.raises(ConfigError, match=r"trainer\.optim\.lrr: unknown key \(allowed: lr,"):
+        load_config(bad)
+    bad.write_text("envs:\n  train:\n    s: {env_id: x, tools: [calc]}\n")
+    with pytest.raises(ConfigError, match="unknown tool set 'calc'"):
+        load_config(bad)
+    bad.write_text("tools:\n  sets:\n    calc:\n      c: {python: a:b, url: http://x}\n")
+    with pytest.raises(ConfigError, match=r"tools\.sets\.calc\.c: a tool needs exactly one of"):
+        load_config(bad)
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_dump_round_trips():
+    cfg = load_config(EXAMPLE, ["trainer.total_steps=7"])
+    again = load_config(None, [])
+    data = yaml.safe_load(dump_yaml(cfg))
+    assert data["async"]["max_staleness"] == cfg.async_.max_staleness
+    assert type(again).model_validate(data) == cfg
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "agentrl", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_config_show_and_errors():
+    ok = _cli("config", "show", str(EXAMPLE), "trainer.total_steps=3")
+    assert ok.returncode == 0, ok.stderr
+    assert yaml.safe_load(ok.stdout)["trainer"]["total_steps"] == 3
+    for bad in ("trainer.totl_steps=3", "trainer.total_steps=abc"):
+        res = _cli("config", "show", str(EXAMPLE), bad)
+        assert res.returncode == 2
+        assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+        assert bad.split("=")[0] in res.stderr
+
+
+def test_cli_help_lists_commands():
+    res = _cli("--help")
+    assert res.returncode == 0
+    for command in ("train", "config", "make-model"):
+        assert command in res.stdout

@@ -1,0 +1,28 @@
+"""Metrics sink fans one log call out to JSONL and TensorBoard."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentrl.metrics import MetricsSink, read_jsonl
+
+
+def test_jsonl_and_tensorboard(tmp_path):
+    sink = MetricsSink(tmp_path, console=True, jsonl=True, tensorboard=True)
+    sink.log(1, {"train/loss": 0.5, "episode/success": 0.25, "note": "ignored", "flag": True})
+    sink.log(2, {"train/loss": 0.25, "bad": float("nan")})
+    sink.close()
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["train/loss"] == 0.5 and rows[0]["flag"] == 1.0 and "note" not in rows[0]
+    assert rows[1]["bad"] is None
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [e.value for e in acc.Scalars("train/loss")] == [0.5, 0.25]
+
+
+def test_missing_tracker_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match=r"not installed: pip install agentrl\[tracking\]"):
+        MetricsSink(tmp_path, console=False, jsonl=False, tensorboard=False, trackers=["swanlab"])
