@@ -56,7 +56,9 @@ class Platform:
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if self.kind == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
-            env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+            # vLLM's default pins OpenMP threads to cores; on small shared machines that fights the trainer.
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["OMP_NUM_THREADS"] = "1"
         return env
 
 

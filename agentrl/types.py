@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int = 64
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # benchmarks and tests that need exact lengths
 
 
 @dataclass
@@ -33,6 +34,9 @@ class GenOutput:
     finish_reason: FinishReason
     version: int
     versions: list[int] = field(default_factory=list)
+    preempted: bool = False  # aborted by pause()/update_weights, not by the caller: safe to resume
+    resumes: int = 0  # times this generation was preempted and continued on newer weights
+    engine: int = -1  # index of the engine that served it (set by the router)
 
     def __post_init__(self) -> None:
         if not self.versions:

@@ -1,0 +1,69 @@
+"""Start the configured rollout engines as Ray actors and the router actor in front of them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from agentrl.config.schema import RolloutConfig
+from agentrl.platform import detect
+from agentrl.rollout.router import Router
+
+
+def engine_class(backend: str) -> type:
+    if backend == "vllm":
+        from agentrl.rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine
+    if backend == "sglang":
+        from agentrl.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine
+    if backend == "remote":
+        from agentrl.rollout.remote_engine import RemoteEngine
+
+        return RemoteEngine
+    raise ValueError(f"unknown rollout backend {backend!r}")
+
+
+def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int) -> dict[str, Any]:
+    if cfg.backend == "remote":
+        return {"url": cfg.url, "request_timeout_s": cfg.request_timeout_s}
+    return {
+        "model_path": model_path,
+        "max_model_len": cfg.max_model_len,
+        "kv_cache_gib": cfg.kv_cache_gib,
+        "enforce_eager": cfg.enforce_eager,
+        "seed": seed,
+        "gpu_memory_utilization": cfg.gpu_memory_utilization,
+        "engine_kwargs": dict(cfg.engine_kwargs),
+    }
+
+
+def _create(cfg: RolloutConfig, model_path: str, seed: int) -> Any:
+    platform = detect()
+    return (
+        ray.remote(engine_class(cfg.backend))
+        .options(
+            max_concurrency=4096,
+            runtime_env={"env_vars": platform.vllm_env(cfg.kv_cache_gib)},
+            **platform.ray_actor_options(),
+        )
+        .remote(**engine_kwargs(cfg, model_path, seed))
+    )
+
+
+def start_engines(cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None) -> list[Any]:
+    """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
+    handles = [_create(cfg, model_path, seed + i) for i in range(count or cfg.num_engines)]
+    ray.get([h.start.remote() for h in handles])
+    return handles
+
+
+def start_router(engines: list[Any], cfg: RolloutConfig) -> Any:
+    return (
+        ray.remote(Router)
+        .options(max_concurrency=100_000, num_cpus=0)
+        .remote(engines, request_timeout_s=cfg.request_timeout_s)
+    )

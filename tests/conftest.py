@@ -1,0 +1,27 @@
+"""Shared, expensive fixtures: one Ray session and one tiny model per test run (starts cost seconds here)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path() -> str:
+    from agentrl.models.tiny import resolve_model_path
+
+    return resolve_model_path("builtin:tiny")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """One local Ray for the whole run; tests that need Ray take this fixture instead of calling ray.init."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
