@@ -154,6 +154,9 @@ class TrainerConfig(Section):
     num_ranks: PositiveInt = 1
     total_steps: PositiveInt = 100
     micro_batch_tokens: PositiveInt = Field(8192, description="token budget per packed micro-batch")
+    packing: Literal["pad", "packed"] = Field(
+        "pad", description="micro-batch layout: rows padded to the longest (CPU) or one packed row + block mask"
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)

@@ -1,0 +1,114 @@
+"""Splitting a batch over ranks and into token-budgeted micro-batches, and laying samples out as tensors.
+
+Dynamic batching: a micro-batch is filled up to `micro_batch_tokens`, so a long sample costs what it weighs.
+Two layouts:
+- `pad`: rows sorted by length, right-padded to the longest row of the micro-batch; the budget counts padded
+  tokens (rows x longest). On CPU this is the default: HF's SDPA has no varlen kernel here, so a packed row
+  needs an N x N block-diagonal mask and pays attention over all N tokens (measured in benchmarks/).
+- `packed`: sequences concatenated into one row without padding, position ids reset per sequence, and a 4D
+  block-diagonal causal mask (what a varlen/flash kernel does natively on accelerators).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def shard_indices(lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Balance samples over ranks by token count (longest first onto the least-loaded rank); deterministic."""
+    loads = [0] * world_size
+    shards: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        shards[r].append(i)
+        loads[r] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
+    """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
+
+    A sample longer than the budget gets a micro-batch of its own.
+    """
+    order = sorted(indices, key=lambda i: (lengths[i], i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    cost = 0
+    for i in order:
+        n = lengths[i]
+        new_cost = (len(cur) + 1) * max(n, max((lengths[j] for j in cur), default=0)) if layout == "pad" else cost + n
+        if cur and new_cost > budget:
+            out.append(cur)
+            cur, new_cost = [], n
+        cur.append(i)
+        cost = new_cost
+    if cur:
+        out.append(cur)
+    return out
+
+
+def collate(
+    token_ids: Sequence[Sequence[int]],
+    fields: dict[str, Sequence[Sequence[float]]],
+    layout: str,
+    pad_id: int,
+) -> dict[str, torch.Tensor]:
+    """Tensors for one micro-batch: input_ids, position_ids, attention_mask, seq_ids, and every per-token field
+    (loss_mask, advantages, ...) aligned with input_ids. The first token of every sequence gets loss_mask 0:
+    nothing predicts it. `rows` / `starts` record where sequence k sits, to scatter results back.
+    """
+    n = len(token_ids)
+    if layout == "pad":
+        T = max(len(t) for t in token_ids)
+        shape = (n, T)
+        rows = list(range(n))
+        starts = [0] * n
+    elif layout == "packed":
+        T = sum(len(t) for t in token_ids)
+        shape = (1, T)
+        rows = [0] * n
+        starts = [0] * n
+        for k in range(1, n):
+            starts[k] = starts[k - 1] + len(token_ids[k - 1])
+    else:
+        raise ValueError(f"unknown micro-batch layout {layout!r} (known: pad, packed)")
+    ids = torch.full(shape, pad_id, dtype=torch.long)
+    pos = torch.zeros(shape, dtype=torch.long)
+    seq = torch.full(shape, -1, dtype=torch.long)
+    out = {name: torch.zeros(shape, dtype=torch.float32) for name in fields}
+    for k, toks in enumerate(token_ids):
+        r, a, L = rows[k], starts[k], len(toks)
+        ids[r, a : a + L] = torch.tensor(toks, dtype=torch.long)
+        pos[r, a : a + L] = torch.arange(L)
+        seq[r, a : a + L] = k
+        for name, values in fields.items():
+            out[name][r, a : a + L] = torch.tensor(values[k], dtype=torch.float32)
+    if "loss_mask" in out:
+        for k in range(n):
+            out["loss_mask"][rows[k], starts[k]] = 0.0
+    if layout == "pad":
+        attn = (seq >= 0).long()
+    else:
+        s = seq[0]
+        causal = torch.tril(torch.ones(T, T, dtype=torch.bool))
+        attn = (causal & (s[:, None] == s[None, :]))[None, None]
+    return {
+        "input_ids": ids,
+        "position_ids": pos,
+        "attention_mask": attn,
+        "seq_ids": seq,
+        "rows": torch.tensor(rows),
+        "starts": torch.tensor(starts),
+        "lengths": torch.tensor([len(t) for t in token_ids]),
+        **out,
+    }
+
+
+def scatter_back(per_token: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[list[float]]:
+    """Per-token [rows, T] values back to one list per sequence of the micro-batch."""
+    out = []
+    for r, a, L in zip(batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True):
+        out.append(per_token[r, a : a + L].tolist())
+    return out

@@ -1,0 +1,151 @@
+"""Sharded checkpoints (torch.distributed.checkpoint) and Hugging Face exports.
+
+A checkpoint directory holds: DCP shards of model + optimizer (+ critic), `extra_rank{R}.pt` per rank
+(scheduler, RNG states, step, version), `meta.json`, and `hf/` (config + tokenizer files) so that
+`agentrl export CKPT OUT` can rebuild a plain HF model dir without the original model path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+HF_SIDE_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+    "agentrl_tiny.json",
+)
+
+
+def copy_hf_side_files(src: str | Path, dst: str | Path) -> None:
+    """Config and tokenizer files (everything but the weights) from one HF dir to another."""
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, dst / name)
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
+    """HF-named, contiguous tensors for safetensors; a tied lm_head is dropped (HF and vLLM re-tie it)."""
+    out = {}
+    for k, v in state.items():
+        if tie_word_embeddings and k == "lm_head.weight":
+            continue
+        out[k] = v.detach().contiguous()
+    return out
+
+
+def write_safetensors(state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors") -> str:
+    """Write atomically (temp file + rename) so an engine never reads half a snapshot."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f".{name}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, out / name)
+    return str(out)
+
+
+def save_sharded(
+    ckpt_dir: str | Path,
+    rank: int,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    extra: dict[str, Any],
+    meta: dict[str, Any],
+    model_path: str,
+    critic: nn.Module | None = None,
+) -> None:
+    """Collective: every rank calls it. `optimizers` maps a name ('optim', 'sft_optim', ...) to the policy's
+    optimizers; the critic's optimizer, if any, goes under 'critic_optim'."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    for name, opt in optimizers.items():
+        owner = critic if name == "critic_optim" else model
+        state[name] = get_optimizer_state_dict(owner, opt)
+    if critic is not None:
+        state["critic"] = get_model_state_dict(critic)
+    ckpt = Path(ckpt_dir)
+    ckpt.mkdir(parents=True, exist_ok=True)
+    dcp.save(state, checkpoint_id=str(ckpt))
+    torch.save(extra, ckpt / f"extra_rank{rank}.pt")
+    if rank == 0:
+        copy_hf_side_files(model_path, ckpt / "hf")
+        (ckpt / "meta.json").write_text(json.dumps({**meta, "optimizers": sorted(optimizers)}, indent=1))
+    dist.barrier()
+
+
+def load_sharded(
+    ckpt_dir: str | Path,
+    rank: int,
+    model: nn.Module,
+    optimizers: dict[str, torch.optim.Optimizer],
+    critic: nn.Module | None = None,
+) -> dict[str, Any]:
+    """Collective inverse of `save_sharded`; returns this rank's extra state (rank 0's when the world grew)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    ckpt = Path(ckpt_dir)
+    saved = set(json.loads((ckpt / "meta.json").read_text()).get("optimizers", []))
+    opts = {k: v for k, v in optimizers.items() if k in saved}
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    for name, opt in opts.items():
+        state[name] = get_optimizer_state_dict(critic if name == "critic_optim" else model, opt)
+    if critic is not None:
+        state["critic"] = get_model_state_dict(critic)
+    dcp.load(state, checkpoint_id=str(ckpt))
+    set_model_state_dict(model, state["model"])
+    for name, opt in opts.items():
+        set_optimizer_state_dict(critic if name == "critic_optim" else model, opt, state[name])
+    if critic is not None:
+        set_model_state_dict(critic, state["critic"])
+    path = ckpt / f"extra_rank{rank}.pt"
+    if not path.exists():
+        path = ckpt / "extra_rank0.pt"
+    return torch.load(path, weights_only=False)
+
+
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
+    """Rebuild a transformers-loadable model dir from a sharded checkpoint, in one process (no process group)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ckpt = Path(ckpt_dir)
+    hf = ckpt / "hf"
+    if not (ckpt / ".metadata").exists() or not (hf / "config.json").exists():
+        raise FileNotFoundError(f"{ckpt} is not an agentrl checkpoint (needs .metadata and hf/config.json)")
+    config = AutoConfig.from_pretrained(hf)
+    # Built on CPU, not on the meta device: rotary inv_freq buffers are not in the state dict.
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = {"model": model.state_dict()}
+    if config.tie_word_embeddings:
+        state["model"].pop("lm_head.weight", None)
+    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    model.load_state_dict(state["model"], strict=False)
+    model.tie_weights()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    copy_hf_side_files(hf, out_dir)
+    return str(out_dir)

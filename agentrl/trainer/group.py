@@ -1,0 +1,142 @@
+"""Driver-side handle on the trainer ranks: starts `trainer.num_ranks` Ray actors forming one process group.
+
+Every method has a blocking form returning plain Python and an `_async` form returning a `ray.ObjectRef`
+(rank 0's result) so the pipeline can overlap training with rollout. Calls from one driver run in order on
+every rank; the other ranks' refs are kept and checked at the next call so a failure on any rank surfaces.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import ray
+
+from agentrl.config.schema import Config
+from agentrl.models.tiny import resolve_model_path
+from agentrl.platform import detect, worker_env
+from agentrl.types import Sample
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_ip() -> str:
+    try:
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
+
+class TrainerGroup:
+    """The trainer as the pipeline sees it: `train_step`, `sft_step`, `compute_logprobs`, `export_weights`,
+    `save_checkpoint` / `load_checkpoint`, `version`, `shutdown`."""
+
+    def __init__(self, cfg: Config, model_path: str | None = None) -> None:
+        from agentrl.trainer.worker import TrainerRank
+
+        self.cfg = cfg
+        path = resolve_model_path(model_path or cfg.model.path, cfg.model.cache_dir)
+        self.model_path = path
+        n = cfg.trainer.num_ranks
+        plat = detect()
+        opts = plat.ray_actor_options(1.0)
+        env = {**worker_env(), **({"AGENTRL_PLATFORM": plat.kind} if plat.kind == "cpu" else {})}
+        # Rendezvous on the driver's node (single-node on CPU; on a cluster rank 0 shares the driver's node).
+        addr, port = (_node_ip() if n > 1 else "127.0.0.1"), _free_port()
+        cls = ray.remote(TrainerRank).options(**opts, runtime_env={"env_vars": env})
+        cfg_dict = cfg.model_dump(by_alias=True)
+        self.ranks = [cls.remote(cfg_dict, path, r, n, addr, port) for r in range(n)]
+        self._pending: list[ray.ObjectRef] = []
+        self._version = 0
+        ray.get([a.get_version.remote() for a in self.ranks])  # surface start-up errors here
+
+    # ---- plumbing -------------------------------------------------------------------------------------------
+
+    def _call(self, method: str, *args: Any) -> ray.ObjectRef:
+        """Call `method` on every rank; return rank 0's ref and remember the rest."""
+        self._check_pending()
+        refs = [getattr(a, method).remote(*args) for a in self.ranks]
+        self._pending = refs[1:]
+        return refs[0]
+
+    def _check_pending(self) -> None:
+        if self._pending:
+            ray.get(self._pending)
+            self._pending = []
+
+    def _get(self, ref: ray.ObjectRef) -> Any:
+        out = ray.get(ref)
+        self._check_pending()
+        return out
+
+    # ---- the API --------------------------------------------------------------------------------------------
+
+    def train_step_async(self, samples: list[Sample]) -> ray.ObjectRef:
+        return self._call("train_step", ray.put(samples))
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One RL step on this batch; metrics `train/{loss,kl,entropy,clip_frac,grad_norm,lr}` and more."""
+        out = self._get(self.train_step_async(samples))
+        self._version = int(out["train/version"])
+        return out
+
+    def sft_step_async(self, samples: list[Sample]) -> ray.ObjectRef:
+        return self._call("sft_step", ray.put(samples))
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One supervised step (cross-entropy on loss-mask tokens); bumps the policy version too."""
+        out = self._get(self.sft_step_async(samples))
+        self._version = int(out["train/version"])
+        return out
+
+    def compute_logprobs_async(self, samples: list[Sample]) -> list[ray.ObjectRef]:
+        self._check_pending()
+        ref = ray.put(samples)
+        return [a.compute_logprobs.remote(ref) for a in self.ranks]
+
+    def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Per-token log-probs under the current weights, aligned with token_ids (0.0 at position 0)."""
+        merged: dict[int, list[float]] = {}
+        for part in ray.get(self.compute_logprobs_async(samples)):
+            merged.update(part)
+        return [merged[i] for i in range(len(samples))]
+
+    def export_weights_async(self, out_dir: str) -> ray.ObjectRef:
+        return self._call("export_weights", out_dir)
+
+    def export_weights(self, out_dir: str) -> str:
+        """Full weights as HF safetensors in `out_dir` (use /dev/shm on CPU): an engine's reload_weights dir."""
+        return self._get(self.export_weights_async(out_dir))
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, step, policy version."""
+        return self._get(self._call("save_checkpoint", ckpt_dir))
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Restore everything `save_checkpoint` wrote; returns the restored policy version."""
+        self._version = int(self._get(self._call("load_checkpoint", ckpt_dir)))
+        return self._version
+
+    @property
+    def version(self) -> int:
+        """Policy version = optimizer steps taken (as of the last completed blocking call)."""
+        return self._version
+
+    def get_version(self) -> int:
+        self._version = int(self._get(self._call("get_version")))
+        return self._version
+
+    def shutdown(self) -> None:
+        """Tear down the process group and kill the actors."""
+        try:
+            ray.get([a.shutdown.remote() for a in self.ranks], timeout=30)
+        except Exception:
+            pass
+        for a in self.ranks:
+            ray.kill(a)
+        self.ranks = []
+        self._pending = []

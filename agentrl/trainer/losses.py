@@ -1,0 +1,167 @@
+"""Policy-gradient losses as pure tensor functions: PPO-clip (clip-higher, dual-clip), decoupled PPO with
+truncated importance weights, KL estimators, entropy, value loss.
+
+Every loss is a *weighted sum* `(per_token * weights).sum() / denom`: the trainer precomputes `weights` (the
+loss mask, or mask / tokens-in-sequence) and the batch-global `denom` (tokens or sequences) for the chosen
+aggregation, so that micro-batches and ranks add up to exactly the full-batch loss. Masked tokens have weight 0
+and contribute nothing. Statistics come back as sums over tokens, to be added across micro-batches and ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean")
+
+
+def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, agg: str) -> torch.Tensor:
+    """Per-token weights for an aggregation: mask (token_mean, seq_mean_token_sum) or mask / seq length.
+
+    `seq_ids` numbers the sequences in the micro-batch (any value where mask is 0).
+    """
+    mask = mask.to(torch.float32)
+    if agg in ("token_mean", "seq_mean_token_sum"):
+        return mask
+    if agg != "seq_mean_token_mean":
+        raise ValueError(f"unknown loss aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
+    ids = torch.where(mask > 0, seq_ids, torch.zeros_like(seq_ids)).long().flatten()
+    counts = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1).index_add_(0, ids, mask.flatten())
+    return (mask.flatten() / counts[ids].clamp(min=1)).view_as(mask) * mask
+
+
+def aggregate(values: torch.Tensor, weights: torch.Tensor, denom: float) -> torch.Tensor:
+    """The one reduction every loss term uses (see module docstring)."""
+    return (values * weights).sum() / max(float(denom), 1e-8)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL(pi || ref) estimate from samples of pi: k1 = log(pi/ref); k3 = r - log r - 1, r = ref/pi."""
+    log_ratio = logp - ref_logp
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k3":
+        return torch.exp(-log_ratio) + log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r} (known: k1, k3)")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution along the last dim."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def is_weights(
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    mask: torch.Tensor,
+    seq_ids: torch.Tensor,
+    truncation: float,
+    level: str,
+) -> torch.Tensor:
+    """Truncated importance weights pi_prox / pi_behav that correct for stale (off-policy) behaviour tokens.
+
+    token level: min(exp(prox - behav), truncation) per token. sequence level: min(prod over the sequence's model
+    tokens, truncation), the same weight on every token of the sequence. No gradient flows through them.
+    """
+    with torch.no_grad():
+        diff = (prox_logp - behav_logp) * mask
+        if level == "token":
+            w = torch.exp(diff)
+        elif level == "sequence":
+            ids = torch.where(mask > 0, seq_ids, torch.zeros_like(seq_ids)).long().flatten()
+            sums = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=diff.dtype)
+            sums.index_add_(0, ids, diff.flatten())
+            w = torch.exp(sums[ids]).view_as(diff)
+        else:
+            raise ValueError(f"unknown importance-weight level {level!r} (known: token, sequence)")
+        return torch.clamp(w, max=truncation) * mask
+
+
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    denom: float,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    importance: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip surrogate, ratio = pi / pi_old, clipped to [1 - clip_low, 1 + clip_high] (clip-higher when
+    clip_high > clip_low). Dual-clip caps the loss of negative-advantage tokens at dual_clip * |A|.
+    `importance` multiplies each token's loss (decoupled PPO's behaviour correction).
+
+    Returns (loss, sums) with sums over weighted-in tokens: clipped (the clipped branch was taken), dual_clipped,
+    tokens, ratio.
+    """
+    ratio = torch.exp(logp - old_logp)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = torch.maximum(loss1, loss2)
+    active = (weights > 0).float()
+    clipped = (loss2 > loss1).float()
+    dual = torch.zeros_like(per_token)
+    if dual_clip is not None:
+        cap = -advantages * dual_clip
+        dual = ((advantages < 0) & (per_token > cap)).float()
+        per_token = torch.where(advantages < 0, torch.minimum(per_token, cap), per_token)
+    if importance is not None:
+        per_token = per_token * importance
+    loss = aggregate(per_token, weights, denom)
+    sums = {
+        "clipped": (clipped * active).sum().detach(),
+        "dual_clipped": (dual * active).sum().detach(),
+        "tokens": active.sum().detach(),
+        "ratio": (ratio * active).sum().detach(),
+    }
+    return loss, sums
+
+
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    denom: float,
+    seq_ids: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    is_truncation: float = 2.0,
+    is_level: str = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Decoupled PPO (AReaL): clip against the proximal policy the trainer recomputed, and reweight by the
+    truncated pi_prox / pi_behav so that tokens sampled by an older policy version stay unbiased. On on-policy
+    data (prox == behav) it equals `ppo_clip_loss`.
+    """
+    mask = (weights > 0).float()
+    w = is_weights(prox_logp, behav_logp, mask, seq_ids, is_truncation, is_level)
+    loss, sums = ppo_clip_loss(
+        logp, prox_logp, advantages, weights, denom, clip_low, clip_high, dual_clip, importance=w
+    )
+    sums["is_weight"] = w.sum()
+    sums["is_truncated"] = ((torch.exp((prox_logp - behav_logp) * mask) > is_truncation).float() * mask).sum()
+    return loss, sums
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    weights: torch.Tensor,
+    denom: float,
+    clip: float | None = 0.2,
+) -> torch.Tensor:
+    """Clipped value loss 0.5 * max((v - R)^2, (v_clip - R)^2) for the GAE critic."""
+    err = (values - returns) ** 2
+    if clip is not None:
+        v_clip = old_values + torch.clamp(values - old_values, -clip, clip)
+        err = torch.maximum(err, (v_clip - returns) ** 2)
+    return 0.5 * aggregate(err, weights, denom)
+
+
+def sft_loss(logp: torch.Tensor, weights: torch.Tensor, denom: float) -> torch.Tensor:
+    """Cross-entropy on the weighted (loss-mask) tokens: the negative mean log-likelihood."""
+    return aggregate(-logp, weights, denom)

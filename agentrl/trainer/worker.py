@@ -1,0 +1,363 @@
+"""One trainer rank (a Ray actor): FSDP2 policy (+ reference, + critic), RL and SFT steps, export, checkpoints.
+
+Every rank receives the whole batch (one ray.put by the driver), computes the sequence-level advantages and the
+global loss denominators for all of it (cheap and identical everywhere), then works on its token-balanced shard.
+Each micro-batch's loss is divided by the *global* denominator and multiplied by the world size (FSDP2 averages
+gradients over ranks), so 1 rank and N ranks take the same optimizer step up to float rounding.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.config.schema import Config
+from agentrl.platform import configure_cpu_threads, detect
+from agentrl.trainer import advantages as adv_lib
+from agentrl.trainer import losses
+from agentrl.trainer.batching import collate, micro_batches, scatter_back, shard_indices
+from agentrl.trainer.checkpoint import hf_state_dict, load_sharded, save_sharded, write_safetensors
+from agentrl.trainer.model import ValueModel, apply_fsdp2, forward_logprobs, forward_values, load_causal_lm
+from agentrl.trainer.optim import build_optimizer, clip_grad_norm
+from agentrl.types import Sample
+
+METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "is_weight",
+               "is_truncated", "ratio", "value_loss")  # fmt: skip
+
+
+class TrainerRank:
+    def __init__(self, cfg: dict, model_path: str, rank: int, world_size: int, addr: str, port: int) -> None:
+        self.cfg = Config.model_validate(cfg)
+        self.tc = self.cfg.trainer
+        self.alg = self.tc.algorithm
+        self.rank, self.world = rank, world_size
+        self.model_path = model_path
+        plat = detect()
+        if plat.kind == "cpu":
+            configure_cpu_threads(1)
+        self.device = plat.torch_device(0)
+        if plat.kind == "cuda":
+            torch.cuda.set_device(self.device)
+        dist.init_process_group(
+            plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
+        )
+        torch.manual_seed(self.cfg.seed)
+        dtype = torch.float32  # master weights; accelerators could add an FSDP2 MixedPrecisionPolicy
+        self.model = apply_fsdp2(load_causal_lm(model_path, dtype, self.device))
+        self.pad_id = self.model.config.pad_token_id or 0
+        self.tied = bool(self.model.config.tie_word_embeddings)
+        self.ref = None
+        if self.alg.kl_coef > 0:
+            self.ref = apply_fsdp2(load_causal_lm(model_path, dtype, self.device)).eval()
+            self.ref.requires_grad_(False)
+        self.critic = None
+        opt_steps = self.tc.total_steps * self.alg.ppo_epochs
+        if self.alg.advantage == "gae":
+            self.critic = apply_fsdp2(ValueModel(model_path, dtype, self.device))
+            self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
+        self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
+        self.sft_opt = None
+        self.version = 0  # policy version = optimizer steps taken (RL and SFT)
+        self.step = 0  # RL train_step calls
+
+    # ---- batch plumbing -------------------------------------------------------------------------------------
+
+    def _plan(self, samples: list[Sample]) -> list[list[int]]:
+        """This rank's micro-batches, padded with empty ones to the max count over ranks (collectives match)."""
+        lengths = [len(s.token_ids) for s in samples]
+        mine = shard_indices(lengths, self.world)[self.rank]
+        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
+        n = torch.tensor([len(mbs)])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return mbs + [[] for _ in range(int(n) - len(mbs))]
+
+    def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
+        """Collate micro-batch `idx`; an empty one is a 2-token dummy with zero loss mask (keeps FSDP in step)."""
+        if not idx:
+            return collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
+        toks = [samples[i].token_ids for i in idx]
+        return collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
+
+    @torch.no_grad()
+    def _logprob_pass(self, model, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for idx in mbs:
+            batch = self._batch(samples, idx, {})
+            logp, _ = forward_logprobs(model, batch)
+            out.update(zip(idx, scatter_back(logp, batch), strict=False))
+        return out
+
+    @torch.no_grad()
+    def _value_pass(self, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = {}
+        for idx in mbs:
+            batch = self._batch(samples, idx, {})
+            out.update(zip(idx, scatter_back(forward_values(self.critic, batch), batch), strict=False))
+        return out
+
+    def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
+        parts: list[dict[int, Any]] = [{} for _ in range(self.world)]
+        dist.all_gather_object(parts, local)
+        return {k: v for p in parts for k, v in p.items()}
+
+    # ---- advantages -----------------------------------------------------------------------------------------
+
+    def _advantages(self, samples, mine, prox, ref, values) -> tuple[dict[int, list[float]], dict, list[float]]:
+        """Per-token advantages for this rank's samples (+ value targets for GAE), and the shaped rewards."""
+        alg = self.alg
+        rewards = [s.reward for s in samples]
+        token_kl: dict[int, list[float]] = {}
+        if alg.kl_in_reward and ref is not None:
+            cur = prox if prox is not None else {i: samples[i].logprobs for i in mine}
+            for i in mine:
+                m = samples[i].loss_mask
+                token_kl[i] = [-alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)]
+            kl_sum = self._gather({i: sum(v) for i, v in token_kl.items()})
+            if alg.advantage != "gae":  # GAE takes the penalty per token instead
+                rewards = [r + kl_sum[i] for i, r in enumerate(rewards)]
+        if alg.advantage == "gae":
+            sub = [samples[i] for i in mine]
+            kl = [token_kl[i] for i in mine] if token_kl else None
+            a, r = adv_lib.gae_advantages(sub, [values[i] for i in mine], alg.gamma, alg.gae_lambda, kl)
+            return dict(zip(mine, a, strict=True)), dict(zip(mine, r, strict=True)), rewards
+        if alg.advantage == "step_return":
+            shaped = [s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)]
+            a = adv_lib.step_return_advantages(shaped, alg.gamma)
+            return {i: a[i] for i in mine}, {}, rewards
+        seq = adv_lib.sequence_advantages(alg.advantage, rewards, [s.group_id for s in samples])
+        return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
+
+    def _denom(self, samples: list[Sample]) -> float:
+        """Batch-global denominator: model tokens (token_mean) or sequences with any (seq_mean_*)."""
+        counts = [sum(s.loss_mask[1:]) for s in samples]
+        if self.alg.loss_agg == "token_mean":
+            return float(sum(counts))
+        return float(sum(1 for c in counts if c))
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+
+    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One RL step: proximal/ref log-probs, advantages, then one optimizer step per PPO epoch."""
+        t0 = time.perf_counter()
+        alg = self.alg
+        mbs = self._plan(samples)
+        mine = [i for mb in mbs for i in mb]
+        decoupled = alg.loss == "decoupled_ppo"
+        self.model.eval()
+        prox = self._logprob_pass(self.model, samples, mbs) if decoupled else None
+        ref = self._logprob_pass(self.ref, samples, mbs) if self.ref is not None else None
+        values = self._value_pass(samples, mbs) if self.critic is not None else None
+        advs, returns, _ = self._advantages(samples, mine, prox, ref, values)
+        fields: dict[str, dict[int, list[float]]] = {
+            "loss_mask": {i: samples[i].loss_mask for i in mine},
+            "behav": {i: samples[i].logprobs for i in mine},
+            "adv": advs,
+        }
+        if prox is not None:
+            fields["prox"] = prox
+        if ref is not None:
+            fields["ref"] = ref
+        if values is not None:
+            fields["old_values"], fields["returns"] = values, returns
+        denom = self._denom(samples)
+        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+        grad_norms, lrs = [], []
+        self.model.train()
+        for _ in range(alg.ppo_epochs):
+            self.opt.zero_grad(set_to_none=True)
+            if self.critic is not None:
+                self.critic_opt.zero_grad(set_to_none=True)
+            for idx in mbs:
+                sums += self._rl_micro_step(self._batch(samples, idx, fields), denom)
+            grad_norms.append(clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip))
+            lrs.append(self.opt.param_groups[0]["lr"])
+            self.opt.step()
+            self.sched.step()
+            if self.critic is not None:
+                clip_grad_norm(self.critic.parameters(), self.tc.optim.grad_clip)
+                self.critic_opt.step()
+                self.critic_sched.step()
+            self.version += 1
+        self.step += 1
+        dist.all_reduce(sums)
+        m = dict(zip(METRIC_KEYS, sums.tolist(), strict=True))
+        ep, tok = alg.ppo_epochs, max(m["tokens"], 1.0)
+        elapsed = time.perf_counter() - t0
+        n_tokens = sum(len(s.token_ids) for s in samples)
+        out = {
+            "train/loss": m["loss"] / ep,
+            "train/pg_loss": m["pg_loss"] / ep,
+            "train/kl": m["kl"] / tok,
+            "train/entropy": m["entropy"] / tok,
+            "train/clip_frac": m["clipped"] / tok,
+            "train/dual_clip_frac": m["dual_clipped"] / tok,
+            "train/ratio_mean": m["ratio"] / tok,
+            "train/grad_norm": sum(grad_norms) / ep,
+            "train/lr": lrs[-1],
+            "train/tokens": float(n_tokens),
+            "train/model_tokens": m["tokens"] / ep,
+            "train/step_time": elapsed,
+            "train/tokens_per_s": n_tokens * ep / elapsed,
+            "train/version": float(self.version),
+        }
+        if decoupled:
+            out["train/is_weight_mean"] = m["is_weight"] / tok
+            out["train/is_truncated_frac"] = m["is_truncated"] / tok
+        if self.critic is not None:
+            out["train/value_loss"] = m["value_loss"] / ep
+        return out
+
+    def _rl_micro_step(self, batch: dict, denom: float) -> torch.Tensor:
+        alg = self.alg
+        logp, ent = forward_logprobs(self.model, batch, with_entropy=True)
+        mask, seq = batch["loss_mask"], batch["seq_ids"]
+        w = losses.token_weights(mask, seq, alg.loss_agg)
+        clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
+        if alg.loss == "decoupled_ppo":
+            pg, st = losses.decoupled_ppo_loss(
+                logp, batch["prox"], batch["behav"], batch["adv"], w, denom, seq,
+                is_truncation=alg.is_truncation, is_level=alg.is_level, **clip,
+            )  # fmt: skip
+        else:
+            pg, st = losses.ppo_clip_loss(logp, batch["behav"], batch["adv"], w, denom, **clip)
+        total = pg
+        old = batch["ref"] if "ref" in batch else batch.get("prox", batch["behav"])
+        kl_tok = losses.kl_penalty(logp, old, alg.kl_estimator)
+        if "ref" in batch and not alg.kl_in_reward:
+            total = total + alg.kl_coef * losses.aggregate(kl_tok, w, denom)
+        if alg.entropy_coef:
+            total = total - alg.entropy_coef * losses.aggregate(ent, w, denom)
+        (total * self.world).backward()
+        vloss = torch.zeros(())
+        if self.critic is not None:
+            v = forward_values(self.critic, batch)
+            vloss = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
+            (vloss * self.world).backward()
+        d = lambda x: float(x.detach())  # noqa: E731
+        return torch.tensor(
+            [d(total), d(pg), d((kl_tok * mask).sum()), d((ent * mask).sum()), d(st["clipped"]),
+             d(st["dual_clipped"]), d(st["tokens"]), d(st.get("is_weight", torch.zeros(()))),
+             d(st.get("is_truncated", torch.zeros(()))), d(st["ratio"]), d(vloss)],
+            dtype=torch.float64,
+        )  # fmt: skip
+
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr."""
+        t0 = time.perf_counter()
+        if self.sft_opt is None:
+            self.sft_opt, self.sft_sched = build_optimizer(
+                self.model.parameters(), self.tc.optim, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr
+            )
+        mbs = self._plan(samples)
+        fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
+        denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
+        self.model.train()
+        self.sft_opt.zero_grad(set_to_none=True)
+        sums = torch.zeros(2, dtype=torch.float64)
+        for idx in mbs:
+            batch = self._batch(samples, idx, fields)
+            logp, _ = forward_logprobs(self.model, batch)
+            w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
+            loss = losses.sft_loss(logp, w, denom)
+            (loss * self.world).backward()
+            correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
+            sums += torch.tensor([float(loss.detach()), float(correct)], dtype=torch.float64)
+        norm = clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip)
+        lr = self.sft_opt.param_groups[0]["lr"]
+        self.sft_opt.step()
+        self.sft_sched.step()
+        self.version += 1
+        dist.all_reduce(sums)
+        elapsed = time.perf_counter() - t0
+        n_tokens = sum(len(s.token_ids) for s in samples)
+        return {
+            "sft/loss": float(sums[0]),
+            "sft/token_acc": float(sums[1]) / max(denom, 1.0),
+            "sft/grad_norm": norm,
+            "sft/lr": lr,
+            "sft/step_time": elapsed,
+            "sft/tokens_per_s": n_tokens / elapsed,
+            "train/version": float(self.version),
+        }
+
+    def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
+        """This rank's share of the batch's log-probs under the current weights (merged by the driver)."""
+        self.model.eval()
+        return self._logprob_pass(self.model, samples, self._plan(samples))
+
+    # ---- weights and state ----------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective; rank 0 gets the full CPU state dict, the others an empty dict."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(self.model, options=opts)
+
+    def export_weights(self, out_dir: str) -> str:
+        """Full weights as HF-named safetensors (+ config) by rank 0: what an engine's reload_weights reads."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            from agentrl.trainer.checkpoint import copy_hf_side_files
+
+            write_safetensors(hf_state_dict(state, self.tied), out_dir)
+            if not os.path.exists(os.path.join(out_dir, "config.json")):
+                copy_hf_side_files(self.model_path, out_dir)
+        dist.barrier()
+        return out_dir
+
+    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        opts = {"optim": self.opt}
+        if self.sft_opt is not None:
+            opts["sft_optim"] = self.sft_opt
+        if self.critic is not None:
+            opts["critic_optim"] = self.critic_opt
+        return opts
+
+    def save_checkpoint(self, ckpt_dir: str) -> str:
+        extra = {
+            "sched": self.sched.state_dict(),
+            "sft_sched": self.sft_sched.state_dict() if self.sft_opt is not None else None,
+            "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
+            "rng": torch.get_rng_state(),
+            "step": self.step,
+            "version": self.version,
+        }
+        meta = {"step": self.step, "version": self.version, "world_size": self.world}
+        save_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic)
+        return ckpt_dir
+
+    def load_checkpoint(self, ckpt_dir: str) -> int:
+        import json
+
+        saved = json.loads(open(os.path.join(ckpt_dir, "meta.json")).read()).get("optimizers", [])
+        if "sft_optim" in saved and self.sft_opt is None:
+            self.sft_opt, self.sft_sched = build_optimizer(
+                self.model.parameters(), self.tc.optim, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr
+            )
+        extra = load_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), self.critic)
+        self.sched.load_state_dict(extra["sched"])
+        if extra.get("sft_sched") is not None and self.sft_opt is not None:
+            self.sft_sched.load_state_dict(extra["sft_sched"])
+        if extra.get("critic_sched") is not None and self.critic is not None:
+            self.critic_sched.load_state_dict(extra["critic_sched"])
+        torch.set_rng_state(extra["rng"])
+        self.step, self.version = int(extra["step"]), int(extra["version"])
+        return self.version
+
+    def get_version(self) -> int:
+        return self.version
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _with_reward(s: Sample, reward: float) -> Sample:
+    from dataclasses import replace
+
+    return replace(s, reward=reward)
