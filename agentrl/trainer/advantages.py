@@ -1,9 +1,9 @@
 """Advantage estimators: pure functions from rewards (and values) to per-token advantages.
 
-Sequence-level estimators (GRPO, Dr.GRPO's no-std variant, RLOO, REINFORCE++) give one number per sample, spread
-over its model tokens. `step_return` gives each turn its discounted return-to-go; `gae` runs over the model tokens
-of one sequence with a critic's values. Everything here is deterministic and cheap, so every trainer rank
-computes the whole batch's advantages itself instead of exchanging them.
+Sequence-level estimators (GRPO, Dr.GRPO's no-std variant, RLOO, REINFORCE++) give one number per sample,
+spread over its model tokens. `step_return` gives each turn its discounted return-to-go; `gae` runs over the
+model tokens of one sequence with a critic's values. Everything here is deterministic and cheap,
+so every trainer rank computes the whole batch's advantages itself instead of exchanging them.
 """
 
 from __future__ import annotations
@@ -120,9 +120,10 @@ def _turn_rewards(s: Sample, num_turns: int) -> list[float]:
 def step_return_advantages(samples: Sequence[Sample], gamma: float) -> list[list[float]]:
     """Per-turn discounted return-to-go minus the group's mean episode return (G_0), per model token.
 
-    Step-wise samples (`turn_index` set): turn t's tokens get G_t of its episode, where the episode's turn rewards
-    are `step_rewards` when a sample carries the list, else each sample's own `reward`. Trajectory-wise samples:
-    each loss-mask segment is a turn, rewarded by `step_rewards[k]` (or the episode reward at the last turn).
+    Step-wise samples (`turn_index` set): turn t's tokens get G_t of its episode, where the episode's turn
+    rewards are `step_rewards` when a sample carries the list, else each sample's own `reward`.
+    Trajectory-wise samples: each loss-mask segment is a turn, rewarded by `step_rewards[k]`
+    (or the episode reward at the last turn).
     """
     returns: list[list[float]] = []  # per sample: G of each of its turns
     episode_g0: dict[str, float] = {}
@@ -170,9 +171,7 @@ def step_return_advantages(samples: Sequence[Sample], gamma: float) -> list[list
     return out
 
 
-def sequence_advantages(
-    kind: str, rewards: Sequence[float], group_ids: Sequence[str]
-) -> list[float]:
+def sequence_advantages(kind: str, rewards: Sequence[float], group_ids: Sequence[str]) -> list[float]:
     """Dispatch for the sequence-level estimators by config name."""
     if kind == "grpo":
         return grpo(rewards, group_ids, use_std=True)

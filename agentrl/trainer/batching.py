@@ -27,7 +27,9 @@ def shard_indices(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
+def micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str
+) -> list[list[int]]:
     """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
 
     A sample longer than the budget gets a micro-batch of its own.
@@ -38,7 +40,11 @@ def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int, l
     cost = 0
     for i in order:
         n = lengths[i]
-        new_cost = (len(cur) + 1) * max(n, max((lengths[j] for j in cur), default=0)) if layout == "pad" else cost + n
+        new_cost = (
+            (len(cur) + 1) * max(n, max((lengths[j] for j in cur), default=0))
+            if layout == "pad"
+            else cost + n
+        )
         if cur and new_cost > budget:
             out.append(cur)
             cur, new_cost = [], n
@@ -55,9 +61,9 @@ def collate(
     layout: str,
     pad_id: int,
 ) -> dict[str, torch.Tensor]:
-    """Tensors for one micro-batch: input_ids, position_ids, attention_mask, seq_ids, and every per-token field
-    (loss_mask, advantages, ...) aligned with input_ids. The first token of every sequence gets loss_mask 0:
-    nothing predicts it. `rows` / `starts` record where sequence k sits, to scatter results back.
+    """Tensors for one micro-batch: input_ids, position_ids, attention_mask, seq_ids, and every per-token
+    field (loss_mask, advantages, ...) aligned with input_ids. The first token of every sequence gets
+    loss_mask 0: nothing predicts it. `rows` / `starts` record where sequence k sits, to scatter results back.
     """
     n = len(token_ids)
     if layout == "pad":
@@ -109,6 +115,8 @@ def collate(
 def scatter_back(per_token: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[list[float]]:
     """Per-token [rows, T] values back to one list per sequence of the micro-batch."""
     out = []
-    for r, a, L in zip(batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True):
+    for r, a, L in zip(
+        batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True
+    ):
         out.append(per_token[r, a : a + L].tolist())
     return out

@@ -48,7 +48,9 @@ def hf_state_dict(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> 
     return out
 
 
-def write_safetensors(state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors") -> str:
+def write_safetensors(
+    state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors"
+) -> str:
     """Write atomically (temp file + rename) so an engine never reads half a snapshot."""
     from safetensors.torch import save_file
 
@@ -99,7 +101,7 @@ def load_sharded(
     optimizers: dict[str, torch.optim.Optimizer],
     critic: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """Collective inverse of `save_sharded`; returns this rank's extra state (rank 0's when the world grew)."""
+    """Collective inverse of `save_sharded`; returns this rank's extra state (rank 0's if the world grew)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         get_model_state_dict,
@@ -129,7 +131,7 @@ def load_sharded(
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
-    """Rebuild a transformers-loadable model dir from a sharded checkpoint, in one process (no process group)."""
+    """Rebuild a transformers-loadable model dir from a sharded checkpoint, in one process."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -54,7 +54,7 @@ class TrainerGroup:
         self._version = 0
         ray.get([a.get_version.remote() for a in self.ranks])  # surface start-up errors here
 
-    # ---- plumbing -------------------------------------------------------------------------------------------
+    # ---- plumbing ------------------------------------------------------------------------------------------
 
     def _call(self, method: str, *args: Any) -> ray.ObjectRef:
         """Call `method` on every rank; return rank 0's ref and remember the rest."""
@@ -73,7 +73,7 @@ class TrainerGroup:
         self._check_pending()
         return out
 
-    # ---- the API --------------------------------------------------------------------------------------------
+    # ---- the API -------------------------------------------------------------------------------------------
 
     def train_step_async(self, samples: list[Sample]) -> ray.ObjectRef:
         return self._call("train_step", ray.put(samples))
@@ -109,7 +109,7 @@ class TrainerGroup:
         return self._call("export_weights", out_dir)
 
     def export_weights(self, out_dir: str) -> str:
-        """Full weights as HF safetensors in `out_dir` (use /dev/shm on CPU): an engine's reload_weights dir."""
+        """Full weights as HF safetensors in `out_dir` (/dev/shm on CPU): an engine's reload_weights dir."""
         return self._get(self.export_weights_async(out_dir))
 
     def save_checkpoint(self, ckpt_dir: str) -> str:

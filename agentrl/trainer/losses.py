@@ -3,8 +3,9 @@ truncated importance weights, KL estimators, entropy, value loss.
 
 Every loss is a *weighted sum* `(per_token * weights).sum() / denom`: the trainer precomputes `weights` (the
 loss mask, or mask / tokens-in-sequence) and the batch-global `denom` (tokens or sequences) for the chosen
-aggregation, so that micro-batches and ranks add up to exactly the full-batch loss. Masked tokens have weight 0
-and contribute nothing. Statistics come back as sums over tokens, to be added across micro-batches and ranks.
+aggregation, so that micro-batches and ranks add up to exactly the full-batch loss. Masked tokens have
+weight 0 and contribute nothing. Statistics come back as sums over tokens, to be added
+across micro-batches and ranks.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def aggregate(values: torch.Tensor, weights: torch.Tensor, denom: float) -> torc
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from samples of pi: k1 = log(pi/ref); k3 = r - log r - 1, r = ref/pi."""
+    """Per-token KL(pi || ref) estimate on samples of pi: k1 = log(pi/ref); k3 = r - log r - 1, r = ref/pi."""
     log_ratio = logp - ref_logp
     if estimator == "k1":
         return log_ratio
@@ -60,8 +61,8 @@ def is_weights(
 ) -> torch.Tensor:
     """Truncated importance weights pi_prox / pi_behav that correct for stale (off-policy) behaviour tokens.
 
-    token level: min(exp(prox - behav), truncation) per token. sequence level: min(prod over the sequence's model
-    tokens, truncation), the same weight on every token of the sequence. No gradient flows through them.
+    token level: min(exp(prox - behav), truncation) per token. sequence level: min(prod over the sequence's
+    model tokens, truncation), the same weight on every token of the sequence. No gradient flows through them.
     """
     with torch.no_grad():
         diff = (prox_logp - behav_logp) * mask
@@ -92,8 +93,8 @@ def ppo_clip_loss(
     clip_high > clip_low). Dual-clip caps the loss of negative-advantage tokens at dual_clip * |A|.
     `importance` multiplies each token's loss (decoupled PPO's behaviour correction).
 
-    Returns (loss, sums) with sums over weighted-in tokens: clipped (the clipped branch was taken), dual_clipped,
-    tokens, ratio.
+    Returns (loss, sums) with sums over weighted-in tokens: clipped (the clipped branch was taken),
+    dual_clipped, tokens, ratio.
     """
     ratio = torch.exp(logp - old_logp)
     loss1 = -advantages * ratio

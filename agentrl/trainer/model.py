@@ -1,7 +1,8 @@
 """Loading HF causal LMs (policy, reference, critic), wrapping them with FSDP2, and per-token forward passes.
 
-Per-token results are aligned with `token_ids` like `Sample.logprobs`: position t holds log pi(token_t | tokens
-before t), computed from the logits at t - 1; position 0 of every sequence holds 0 (nothing predicts it).
+Per-token results are aligned with `token_ids` like `Sample.logprobs`: position t holds log pi(token_t |
+tokens before t), computed from the logits at t - 1; position 0 of every sequence holds 0
+(nothing predicts it).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from agentrl.trainer.losses import entropy_from_logits
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """An HF causal LM with SDPA attention (it accepts the 4D block-diagonal masks of packed micro-batches)."""
+    """An HF causal LM with SDPA attention (it takes the 4D block-diagonal masks of packed micro-batches)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")

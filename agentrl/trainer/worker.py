@@ -1,9 +1,9 @@
-"""One trainer rank (a Ray actor): FSDP2 policy (+ reference, + critic), RL and SFT steps, export, checkpoints.
+"""One trainer rank (a Ray actor): FSDP2 policy (+ reference, + critic), RL and SFT steps, export, checkpoint.
 
-Every rank receives the whole batch (one ray.put by the driver), computes the sequence-level advantages and the
-global loss denominators for all of it (cheap and identical everywhere), then works on its token-balanced shard.
-Each micro-batch's loss is divided by the *global* denominator and multiplied by the world size (FSDP2 averages
-gradients over ranks), so 1 rank and N ranks take the same optimizer step up to float rounding.
+Every rank receives the whole batch (one ray.put by the driver), computes the sequence-level advantages and
+the global loss denominators for all of it (cheap and identical everywhere), then works on its token-balanced
+shard. Each micro-batch's loss is divided by the *global* denominator and multiplied by the world size (FSDP2
+averages gradients over ranks), so 1 rank and N ranks take the same optimizer step up to float rounding.
 """
 
 from __future__ import annotations
@@ -58,16 +58,18 @@ class TrainerRank:
         opt_steps = self.tc.total_steps * self.alg.ppo_epochs
         if self.alg.advantage == "gae":
             self.critic = apply_fsdp2(ValueModel(model_path, dtype, self.device))
-            self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
+            self.critic_opt, self.critic_sched = build_optimizer(
+                self.critic.parameters(), self.tc.optim, opt_steps
+            )
         self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
         self.sft_opt = None
         self.version = 0  # policy version = optimizer steps taken (RL and SFT)
         self.step = 0  # RL train_step calls
 
-    # ---- batch plumbing -------------------------------------------------------------------------------------
+    # ---- batch plumbing ------------------------------------------------------------------------------------
 
     def _plan(self, samples: list[Sample]) -> list[list[int]]:
-        """This rank's micro-batches, padded with empty ones to the max count over ranks (collectives match)."""
+        """This rank's micro-batches, padded with empty ones to the max count over ranks (collectives)."""
         lengths = [len(s.token_ids) for s in samples]
         mine = shard_indices(lengths, self.world)[self.rank]
         mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
@@ -75,12 +77,18 @@ class TrainerRank:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(int(n) - len(mbs))]
 
-    def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
-        """Collate micro-batch `idx`; an empty one is a 2-token dummy with zero loss mask (keeps FSDP in step)."""
+    def _batch(
+        self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]
+    ) -> dict:
+        """Collate micro-batch `idx`; an empty one is a 2-token dummy, loss mask 0 (keeps FSDP in step)."""
         if not idx:
-            return collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
+            return collate(
+                [[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id
+            )
         toks = [samples[i].token_ids for i in idx]
-        return collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
+        return collate(
+            toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id
+        )
 
     @torch.no_grad()
     def _logprob_pass(self, model, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
@@ -104,10 +112,12 @@ class TrainerRank:
         dist.all_gather_object(parts, local)
         return {k: v for p in parts for k, v in p.items()}
 
-    # ---- advantages -----------------------------------------------------------------------------------------
+    # ---- advantages ----------------------------------------------------------------------------------------
 
-    def _advantages(self, samples, mine, prox, ref, values) -> tuple[dict[int, list[float]], dict, list[float]]:
-        """Per-token advantages for this rank's samples (+ value targets for GAE), and the shaped rewards."""
+    def _advantages(
+        self, samples, mine, prox, ref, values
+    ) -> tuple[dict[int, list[float]], dict, list[float]]:
+        """Per-token advantages for this rank's samples (+ value targets for GAE), and shaped rewards."""
         alg = self.alg
         rewards = [s.reward for s in samples]
         token_kl: dict[int, list[float]] = {}
@@ -115,7 +125,9 @@ class TrainerRank:
             cur = prox if prox is not None else {i: samples[i].logprobs for i in mine}
             for i in mine:
                 m = samples[i].loss_mask
-                token_kl[i] = [-alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)]
+                token_kl[i] = [
+                    -alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)
+                ]
             kl_sum = self._gather({i: sum(v) for i, v in token_kl.items()})
             if alg.advantage != "gae":  # GAE takes the penalty per token instead
                 rewards = [r + kl_sum[i] for i, r in enumerate(rewards)]
@@ -125,7 +137,9 @@ class TrainerRank:
             a, r = adv_lib.gae_advantages(sub, [values[i] for i in mine], alg.gamma, alg.gae_lambda, kl)
             return dict(zip(mine, a, strict=True)), dict(zip(mine, r, strict=True)), rewards
         if alg.advantage == "step_return":
-            shaped = [s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)]
+            shaped = [
+                s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)
+            ]
             a = adv_lib.step_return_advantages(shaped, alg.gamma)
             return {i: a[i] for i in mine}, {}, rewards
         seq = adv_lib.sequence_advantages(alg.advantage, rewards, [s.group_id for s in samples])
@@ -138,7 +152,7 @@ class TrainerRank:
             return float(sum(counts))
         return float(sum(1 for c in counts if c))
 
-    # ---- steps ----------------------------------------------------------------------------------------------
+    # ---- steps ---------------------------------------------------------------------------------------------
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
         """One RL step: proximal/ref log-probs, advantages, then one optimizer step per PPO epoch."""
@@ -289,7 +303,7 @@ class TrainerRank:
         self.model.eval()
         return self._logprob_pass(self.model, samples, self._plan(samples))
 
-    # ---- weights and state ----------------------------------------------------------------------------------
+    # ---- weights and state ---------------------------------------------------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective; rank 0 gets the full CPU state dict, the others an empty dict."""
@@ -299,7 +313,7 @@ class TrainerRank:
         return get_model_state_dict(self.model, options=opts)
 
     def export_weights(self, out_dir: str) -> str:
-        """Full weights as HF-named safetensors (+ config) by rank 0: what an engine's reload_weights reads."""
+        """Full weights as HF-named safetensors (+ config) by rank 0: what engines' reload_weights read."""
         state = self.full_state_dict()
         if self.rank == 0:
             from agentrl.trainer.checkpoint import copy_hf_side_files
@@ -328,13 +342,16 @@ class TrainerRank:
             "version": self.version,
         }
         meta = {"step": self.step, "version": self.version, "world_size": self.world}
-        save_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic)
+        save_sharded(
+            ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic
+        )
         return ckpt_dir
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
         import json
 
-        saved = json.loads(open(os.path.join(ckpt_dir, "meta.json")).read()).get("optimizers", [])
+        with open(os.path.join(ckpt_dir, "meta.json")) as f:
+            saved = json.load(f).get("optimizers", [])
         if "sft_optim" in saved and self.sft_opt is None:
             self.sft_opt, self.sft_sched = build_optimizer(
                 self.model.parameters(), self.tc.optim, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr
