@@ -1,0 +1,101 @@
+"""`agentrl envs` lists registered envs with their kwargs; `agentrl check-env ID [key=value ...]` checks one.
+
+Envs defined in your own module are loaded with `--import my_pkg.my_env` (the module calls
+`agentrl.register_env`). check-env exits 1 and names each contract violation; usage mistakes exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from typing import Any
+
+from agentrl.cli import UsageError
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("envs", parents=[common], help="list registered envs with their kwargs and defaults")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_list)
+    c = sub.add_parser(
+        "check-env",
+        parents=[common],
+        help="check an env (gymnasium checker + text-env contract) and play random/expert episodes",
+    )
+    c.add_argument("env_id", help="registered env id, e.g. agentrl/SimpleSokoban-v0")
+    c.add_argument(
+        "kwargs", nargs="*", help="env kwargs as key=value (values are Python literals or plain text)"
+    )
+    c.add_argument("--episodes", type=int, default=20, help="episodes per agent (default 20)")
+    c.add_argument("--seed", type=int, default=0, help="first episode seed (default 0)")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.set_defaults(func=_check)
+
+
+def parse_kwargs(items: list[str]) -> dict[str, Any]:
+    """key=value pairs; values are Python literals ((8, 8), 0.5, True) or else plain strings."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"expected key=value, got {item!r}")
+        lowered = {"true": True, "false": False, "none": None, "null": None}
+        try:
+            value = lowered[raw.lower()] if raw.lower() in lowered else ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def _list(args: argparse.Namespace) -> int:
+    from agentrl.envs import env_kwargs, registered_env_ids
+
+    table = {env_id: env_kwargs(env_id) for env_id in registered_env_ids()}
+    if args.json:
+        print(json.dumps(table, indent=2, default=repr))
+        return 0
+    for env_id, kwargs in table.items():
+        print(env_id)
+        print("    " + " ".join(f"{k}={v!r}" for k, v in kwargs.items()))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from agentrl.envs import UnknownEnvError, env_kwargs
+    from agentrl.envs.checker import check_text_env
+
+    kwargs = parse_kwargs(args.kwargs)
+    try:
+        known = env_kwargs(args.env_id)
+        unknown = sorted(set(kwargs) - set(known))
+        if unknown:
+            raise UsageError(f"{args.env_id} has no kwarg(s) {unknown}; it accepts: {', '.join(known)}")
+        report = check_text_env(args.env_id, kwargs, episodes=args.episodes, seed=args.seed)
+    except UnknownEnvError as err:
+        raise UsageError(str(err)) from None
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"cannot build {args.env_id} with {kwargs}: {err}") from None
+    if args.json:
+        print(json.dumps(report, indent=2, default=repr))
+    else:
+        _print_report(report)
+    for problem in report["violations"]:
+        print(f"agentrl check-env: FAIL {args.env_id}: {problem}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+def _print_report(report: dict) -> None:
+    print(f"{report['env']}: {'OK' if report['ok'] else 'FAILED'}")
+    for agent in ("random", "expert"):
+        stats = report.get(agent)
+        if stats is None:
+            print(f"  {agent:<6}  (none)" if agent in report else "")
+            continue
+        print(
+            f"  {agent:<6}  success {stats['success_rate']:.1%}  mean turns {stats['mean_turns']:.2f}  "
+            f"mean return {stats['mean_return']:.3f}  steps/s {stats['steps_per_s'] or 0:,.0f}  "
+            f"reset {stats['reset_ms']:.3f} ms  ({stats['episodes']} episodes)"
+        )

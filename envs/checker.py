@@ -1,0 +1,153 @@
+"""`check_text_env`: gymnasium's env checker + agentrl's text-env contract + random/expert episodes.
+
+Why: an env written by a user should fail here, with a clear message, not deep inside a training run.
+Backs `agentrl check-env ID [key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+from typing import Any
+
+import gymnasium as gym
+from agentrl.envs.base import REQUIRED_METRICS, TextEnv
+from agentrl.envs.registry import make_env
+from gymnasium.utils.env_checker import check_env
+
+UNPARSABLE = "I am not sure what to do."
+MAX_TURNS_CAP = 10_000
+
+
+class ContractViolation(Exception):
+    """The env breaks the text-env contract (message says how)."""
+
+
+def check_text_env(
+    env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 20, seed: int = 0
+) -> dict:
+    """Run all checks and episodes; returns a report whose "violations" list is empty when the env passes.
+
+    Raises UnknownEnvError / TypeError when the env cannot even be built (a usage mistake, not a violation).
+    """
+    kwargs = dict(kwargs or {})
+    env = make_env(env_id, **kwargs)
+    violations: list[str] = []
+    report: dict[str, Any] = {"env": env_id, "kwargs": kwargs, "violations": violations}
+    violations += _gymnasium_checks(env_id, kwargs)
+    try:
+        _contract_checks(env, seed)
+        report["random"] = _run_agent(env, "random", episodes, seed)
+        env.reset(seed=seed)
+        has_expert = env.expert_action() is not None
+        report["expert"] = _run_agent(env, "expert", episodes, seed) if has_expert else None
+    except ContractViolation as err:
+        violations.append(str(err))
+    except Exception as err:
+        violations.append(f"raised {type(err).__name__}: {err}")
+    finally:
+        env.close()
+    report["ok"] = not violations
+    return report
+
+
+def _gymnasium_checks(env_id: str, kwargs: dict[str, Any]) -> list[str]:
+    env = gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    problems = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            check_env(env)
+        except Exception as err:
+            problems.append(f"gymnasium env checker: {type(err).__name__}: {err}")
+    for w in caught:
+        message = str(w.message).replace("\x1b[33m", "").replace("\x1b[0m", "").strip()
+        if "render fps" not in message:
+            problems.append(f"gymnasium env checker: {message}")
+    env.close()
+    return problems
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ContractViolation(message)
+
+
+def _check_step(result: Any) -> tuple[str, float, bool, bool, dict]:
+    _require(isinstance(result, tuple) and len(result) == 5, "step() must return a 5-tuple")
+    obs, reward, terminated, truncated, info = result
+    _require(isinstance(obs, str), f"step() observation must be str, got {type(obs).__name__}")
+    _require(isinstance(reward, (int, float)), f"step() reward must be a float, got {type(reward).__name__}")
+    _require(
+        isinstance(terminated, bool) and isinstance(truncated, bool), "terminated/truncated must be bool"
+    )
+    _require(
+        isinstance(info, dict) and isinstance(info.get("metrics"), dict), 'step() info needs a "metrics" dict'
+    )
+    metrics = info["metrics"]
+    missing = [k for k in REQUIRED_METRICS if k not in metrics]
+    _require(not missing, f"info['metrics'] lacks {missing}")
+    bad = [k for k, v in metrics.items() if not isinstance(v, (int, float)) or isinstance(v, bool)]
+    _require(not bad, f"info['metrics'] values must be floats: {bad}")
+    return obs, float(reward), terminated, truncated, info
+
+
+def _contract_checks(env: TextEnv, seed: int) -> None:
+    prompt = env.system_prompt()
+    _require(isinstance(prompt, str) and prompt.strip() != "", "system_prompt() must return non-empty text")
+    result = env.reset(seed=seed)
+    _require(isinstance(result, tuple) and len(result) == 2, "reset() must return (observation, info)")
+    obs, info = result
+    _require(isinstance(obs, str) and obs != "", "reset() observation must be non-empty text")
+    _require(isinstance(info, dict), "reset() info must be a dict")
+    _require(env.reset(seed=seed)[0] == obs, "reset(seed) twice gave different observations")
+    after, _, terminated, _, info = _check_step(env.step(UNPARSABLE))
+    _require(info["metrics"]["action_is_valid"] == 0.0, "unparsable output must give action_is_valid=0")
+    _require(after == obs and not terminated, "unparsable output must be a no-op")
+    expert = env.expert_action()
+    _require(expert is None or isinstance(expert, str), "expert_action() must return text or None")
+    action = env.random_action(random.Random(seed))
+    _require(isinstance(action, str), "random_action() must return text")
+    env.reset(seed=seed)
+    _, _, _, _, info = _check_step(env.step(action))
+    _require(info["metrics"]["action_is_valid"] == 1.0, f"random_action() output {action!r} is not valid")
+    corpus = env.tokenizer_corpus(num_episodes=2, seed=seed)
+    _require(
+        isinstance(corpus, list) and all(isinstance(t, str) for t in corpus), "tokenizer_corpus: list[str]"
+    )
+
+
+def _run_agent(env: TextEnv, agent: str, episodes: int, seed: int) -> dict[str, float]:
+    """Play `episodes` episodes; success rate, mean turns/return, steps/s and reset time."""
+    rng = random.Random(seed)
+    successes, turns, returns = 0.0, 0, 0.0
+    reset_s = step_s = 0.0
+    for episode in range(episodes):
+        t0 = time.perf_counter()
+        env.reset(seed=seed + episode)
+        reset_s += time.perf_counter() - t0
+        metrics: dict[str, float] = {}
+        for _ in range(MAX_TURNS_CAP):
+            action = env.expert_action() if agent == "expert" else env.random_action(rng)
+            _require(isinstance(action, str), f"{agent} action must be text")
+            t0 = time.perf_counter()
+            result = env.step(action)
+            step_s += time.perf_counter() - t0
+            _, reward, terminated, truncated, info = _check_step(result)
+            turns += 1
+            returns += reward
+            metrics = info["metrics"]
+            if terminated or truncated:
+                break
+        else:
+            raise ContractViolation(f"an episode did not end within {MAX_TURNS_CAP} turns")
+        successes += metrics.get("success", 0.0)
+    return {
+        "episodes": episodes,
+        "success_rate": successes / max(episodes, 1),
+        "mean_turns": turns / max(episodes, 1),
+        "mean_return": returns / max(episodes, 1),
+        "steps_per_s": turns / step_s if step_s > 0 else None,
+        "reset_ms": 1000 * reset_s / max(episodes, 1),
+    }
