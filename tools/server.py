@@ -1,0 +1,283 @@
+"""FastAPI app behind `agentrl serve-tools`: list, call, sessions, health; auth, limits, JSON access logs.
+
+Each tool gets its own typed route (`POST /tools/{name}/call`) whose body model is the tool's argument model,
+so FastAPI's validation answers 422 naming the bad field and the OpenAPI document describes every tool exactly
+(which is also what the fuzz test drives). Auth, the body-size limit and the access log are one pure-ASGI
+middleware: Starlette's BaseHTTPMiddleware would cost a task per request at high call rates.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from agentrl.tools.core import SessionStore, Tool, ToolResult
+from fastapi import FastAPI, HTTPException, Path
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+access_log = logging.getLogger("agentrl.tools.access")
+OPEN_PATHS = frozenset({"/health"})  # liveness probes need no token; they reveal nothing but "ok"
+SESSION_ID = Path(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+
+
+@dataclass
+class ServerLimits:
+    """Why each limit exists: a tool server is shared by many env managers and must degrade politely."""
+
+    max_concurrency: int = 256  # tool calls running at once
+    max_queue: int = 1024  # calls waiting for a slot; beyond this, 503 at once
+    queue_timeout_s: float = 10.0  # a call waiting longer than this gets 503 (client retries with backoff)
+    max_body_bytes: int = 1 << 20  # request bodies above this get 413
+    max_sessions: int = 10_000  # open episode sessions; beyond this, 429
+    default_timeout_s: float = 30.0  # per-call wall time for tools that set none
+
+
+class Detail(BaseModel):
+    detail: Any
+
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": Detail, "description": "missing or wrong bearer token"},
+    413: {"model": Detail, "description": "request body too large"},
+    429: {"model": Detail, "description": "too many open sessions"},
+    503: {"model": Detail, "description": "server busy; retry after Retry-After seconds"},
+}
+
+
+class _Limiter:
+    """Concurrency slots plus a bounded wait queue, so overload turns into a clear 503, never a pile-up."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.sem = asyncio.Semaphore(limits.max_concurrency)
+        self.pending = 0  # running + waiting
+
+    def busy(self) -> JSONResponse:
+        lim = self.limits
+        msg = (
+            f"server busy: {lim.max_concurrency} calls running and up to {lim.max_queue} queued; retry later"
+        )
+        return JSONResponse({"detail": msg}, status_code=503, headers={"Retry-After": "1"})
+
+
+def _call_model(t: Tool) -> type[BaseModel]:
+    try:
+        t.args_model()
+        arguments: Any = (t.args_model, Field(default_factory=t.args_model))
+    except ValueError:  # pydantic ValidationError: the tool has required arguments
+        arguments = (t.args_model, ...)
+    return create_model(
+        f"{t.name}_call",
+        __config__=ConfigDict(extra="forbid"),
+        arguments=arguments,
+        session_id=(str | None, Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")),
+    )
+
+
+def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
+    """Build the tool server app. With `token`, all paths but /health need `Authorization: Bearer <token>`."""
+    limits = limits or ServerLimits()
+    by_name = {t.name: t for t in tools}
+    if len(by_name) != len(tools):
+        raise ValueError("duplicate tool names")
+    sessions = SessionStore(limits.max_sessions)
+    limiter = _Limiter(limits)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await sessions.close_all()
+
+    app = FastAPI(
+        title="agentrl tool server",
+        version="1",
+        description="Tools for agentic RL episodes.",
+        lifespan=lifespan,
+    )
+    app.state.sessions = sessions
+
+    @app.get("/health", openapi_extra={"security": []})
+    async def health() -> dict[str, Any]:
+        """Liveness plus load: calls pending and sessions open."""
+        return {"status": "ok", "tools": len(by_name), "pending": limiter.pending, "sessions": len(sessions)}
+
+    schemas = [t.schema() for t in tools]
+
+    @app.get("/tools", responses={401: ERRORS[401]})
+    async def list_tools() -> dict[str, list[dict[str, Any]]]:
+        """OpenAI function schemas of every tool served here."""
+        return {"tools": schemas}
+
+    for t in tools:
+        _add_call_route(app, t, sessions, limiter, t.timeout_s or limits.default_timeout_s)
+
+    @app.post("/tools/{name}/call", responses={404: {"model": Detail}, **ERRORS}, include_in_schema=False)
+    async def unknown_tool(name: str) -> JSONResponse:
+        known = ", ".join(by_name) or "none"
+        return JSONResponse({"detail": f"unknown tool {name!r}; available tools: {known}"}, status_code=404)
+
+    @app.post("/sessions/{session_id}", responses={401: ERRORS[401], 429: ERRORS[429]})
+    async def open_session(session_id: str = SESSION_ID) -> dict[str, Any]:
+        """Open per-episode state (calls with an unknown session_id open one implicitly)."""
+        try:
+            sessions.open(session_id)
+        except OverflowError as err:
+            return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
+        return {"session_id": session_id, "open": True}
+
+    @app.delete("/sessions/{session_id}", responses={401: ERRORS[401]})
+    async def close_session(session_id: str = SESSION_ID) -> dict[str, Any]:
+        """Close an episode's state and run its cleanups; closing an unknown session is not an error."""
+        return {"session_id": session_id, "closed": await sessions.close(session_id)}
+
+    _document_auth(app, token is not None)
+    app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=limits.max_body_bytes)
+    return app
+
+
+def _add_call_route(
+    app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Limiter, timeout_s: float
+) -> None:
+    request_model = _call_model(t)
+
+    async def call(req: request_model) -> ToolResult:  # type: ignore[valid-type]
+        if limiter.pending >= limiter.limits.max_concurrency + limiter.limits.max_queue:
+            return limiter.busy()  # type: ignore[return-value]
+        limiter.pending += 1
+        try:
+            if limiter.sem.locked():
+                try:
+                    await asyncio.wait_for(limiter.sem.acquire(), limiter.limits.queue_timeout_s)
+                except TimeoutError:
+                    return limiter.busy()  # type: ignore[return-value]
+            else:
+                await limiter.sem.acquire()
+            try:
+                session = sessions.open(req.session_id) if req.session_id else None
+                return await t.run(req.arguments, session, timeout_s)
+            except OverflowError as err:
+                return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
+            finally:
+                limiter.sem.release()
+        finally:
+            limiter.pending -= 1
+
+    call.__name__ = f"call_{t.name}"
+    call.__doc__ = t.description
+    app.post(
+        f"/tools/{t.name}/call",
+        response_model=ToolResult,
+        responses=ERRORS,
+        summary=f"call {t.name}",
+        description=t.description,
+        operation_id=f"call_{t.name}",
+    )(call)
+
+
+def _document_auth(app: FastAPI, enabled: bool) -> None:
+    """Declare the bearer scheme in OpenAPI so clients and fuzzers know to send the token."""
+    if not enabled:
+        return
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            schema.setdefault("components", {})["securitySchemes"] = {
+                "bearer": {"type": "http", "scheme": "bearer"}
+            }
+            schema["security"] = [{"bearer": []}]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class _GuardMiddleware:
+    """Pure ASGI: bearer auth, body-size limit (Content-Length and streamed), one JSON access-log line."""
+
+    def __init__(self, app: Any, token: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.token = token.encode() if token else None
+        self.max_body = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [0]
+        headers = dict(scope.get("headers") or ())
+
+        async def send_wrapper(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            if self.token is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
+                await _reject(
+                    send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+                )
+            elif _content_length(headers) > self.max_body:
+                await _reject(send_wrapper, 413, f"request body over {self.max_body} bytes")
+            else:
+                await self.app(scope, self._limited(receive), send_wrapper)
+        finally:
+            if access_log.isEnabledFor(logging.INFO):
+                client = scope.get("client") or ("", 0)
+                access_log.info(
+                    json.dumps(
+                        {
+                            "ts": round(time.time(), 3),
+                            "client": client[0],
+                            "method": scope["method"],
+                            "path": scope["path"],
+                            "status": status[0],
+                            "ms": round((time.perf_counter() - start) * 1000, 3),
+                        }
+                    )
+                )
+
+    def _authorized(self, headers: dict[bytes, bytes]) -> bool:
+        auth = headers.get(b"authorization", b"")
+        scheme, _, given = auth.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token or b"")
+
+    def _limited(self, receive: Any) -> Any:
+        seen = [0]
+
+        async def wrapped() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if (
+                    seen[0] > self.max_body
+                ):  # chunked bodies carry no Content-Length; FastAPI turns this into 413
+                    raise HTTPException(413, f"request body over {self.max_body} bytes")
+            return message
+
+        return wrapped
+
+
+def _content_length(headers: dict[bytes, bytes]) -> int:
+    try:
+        return int(headers.get(b"content-length", b"0"))
+    except ValueError:
+        return 0
+
+
+async def _reject(send: Any, status: int, detail: str, extra: dict[str, str] | None = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    hdrs = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    hdrs += [(k.lower().encode(), v.encode()) for k, v in (extra or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": hdrs})
+    await send({"type": "http.response.body", "body": body})
