@@ -6,8 +6,8 @@ import random
 from typing import Any
 
 from agentrl.envs.base import Move, TextEnv
-from agentrl.envs.sokoban.generator import generate_level
-from agentrl.envs.sokoban.level import ACTIONS, SokobanState, render, symbol_table
+from agentrl.envs.sokoban.generator import Level, generate_level
+from agentrl.envs.sokoban.level import ACTIONS, SokobanState, parse_grid, render, symbol_table
 from agentrl.envs.sokoban.solver import solve
 
 _ACTION_BY_NAME = {a.lower(): a for a in ACTIONS}
@@ -18,7 +18,8 @@ class SokobanEnv(TextEnv):
 
     Rewards: `step_penalty` (-0.1) per move, +1 for a box onto a target, -1 for a box off one, +10 when
     solved; unparsable output adds `format_penalty` and moves nothing. Levels come from reverse play
-    (see generator.py) and are cached per (seed, settings). `info` at reset carries the BFS-optimal number of
+    (see generator.py) and are cached per (seed, settings); `reset(options={"grid": text})` plays a given
+    grid instead. `info` at reset carries the BFS-optimal number of
     moves and the return of that optimal play.
     """
 
@@ -78,21 +79,30 @@ class SokobanEnv(TextEnv):
         )
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
-        level = generate_level(seed, **self.level_kwargs)
-        s = level.state
+        """A generated level, or the one in `options["grid"]` (rendered text: fixed eval sets, tests)."""
+        if "grid" in options:
+            s = parse_grid(options["grid"])
+            solution = solve(s)
+            level = Level(s, tuple(solution or ()))
+        else:
+            level = generate_level(seed, **self.level_kwargs)
+            s, solution = level.state, level.solution
         self._height, self._width, self._walls, self._targets = s.height, s.width, s.walls, s.targets
         self._boxes, self._player = set(s.boxes), s.player
         self._deltas = {a: s.delta(a) for a in ACTIONS}
         self._plan, self._plan_key = list(level.solution), self._key()
-        self._optimal = len(level.solution)
+        self._optimal = None if solution is None else len(solution)
+        self._boxes_off_target = len(s.boxes - s.targets)
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         obs, info = super().reset(seed=seed, options=options)
-        info["optimal_steps"] = self._optimal
-        info["optimal_return"] = round(
-            self._optimal * self.step_penalty + self.level_kwargs["num_boxes"] * self.box_on_target_reward
-            + self.solve_reward, 9
-        )  # fmt: skip
+        info["optimal_steps"] = self._optimal  # None: the given grid is unsolvable
+        info["optimal_return"] = None
+        if self._optimal is not None:
+            rewards = self._boxes_off_target * self.box_on_target_reward + self.solve_reward * (
+                self._optimal > 0
+            )
+            info["optimal_return"] = round(self._optimal * self.step_penalty + rewards, 9)
         return obs, info
 
     def _key(self) -> tuple[int, frozenset[int]]:
