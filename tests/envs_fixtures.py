@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-import agentrl
 from agentrl.envs import Move, TextEnv
+
+import agentrl
 
 
 class CountToEnv(TextEnv):
