@@ -1,0 +1,184 @@
+"""Advantages, losses, batching and lr schedule against hand-computed values (no Ray, no process group)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from agentrl.trainer import advantages as A
+from agentrl.trainer import losses as L
+from agentrl.trainer.batching import collate, micro_batches, scatter_back, shard_indices
+from agentrl.trainer.optim import lr_factor
+from agentrl.types import Sample
+
+
+def _sample(reward: float, group: str, ep: str, mask: list[int], turn: int | None = None, **kw) -> Sample:
+    n = len(mask)
+    return Sample(list(range(n)), mask, [0.0] * n, [0] * n, reward, group, ep, turn_index=turn, **kw)
+
+
+# ---- advantages ------------------------------------------------------------------------------------------
+
+
+def test_grpo_and_no_std() -> None:
+    r, g = [1.0, 0.0, 0.0, 1.0, 5.0], ["a", "a", "a", "a", "b"]
+    assert A.grpo(r, g) == pytest.approx([1, -1, -1, 1, 0], abs=1e-5)
+    assert A.grpo(r, g, use_std=False) == pytest.approx([0.5, -0.5, -0.5, 0.5, 0.0])
+
+
+def test_rloo_and_reinforce_pp() -> None:
+    assert A.rloo([1.0, 0.0, 0.0, 1.0], ["a"] * 4) == pytest.approx([2 / 3, -2 / 3, -2 / 3, 2 / 3])
+    assert A.rloo([3.0], ["solo"]) == [0.0]
+    s = math.sqrt(2 / 3)
+    assert A.reinforce_pp([1.0, 2.0, 3.0]) == pytest.approx([-1 / s, 0.0, 1 / s], abs=1e-5)
+
+
+def test_discounted_returns_and_gae() -> None:
+    assert A.discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
+    adv, ret = A.gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), gamma=1.0, lam=1.0)
+    assert adv.tolist() == pytest.approx([0.5, 0.5]) and ret.tolist() == pytest.approx([1.0, 1.0])
+    adv, _ = A.gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), gamma=1.0, lam=0.0)
+    assert adv.tolist() == pytest.approx([0.0, 0.5])
+
+
+def test_gae_runs_over_model_tokens_only() -> None:
+    s = _sample(1.0, "g", "e", [0, 1, 0, 0, 1])
+    adv, ret = A.gae_advantages([s], [[9.0, 0.5, 9.0, 9.0, 0.5]], gamma=1.0, lam=1.0)
+    assert adv[0] == pytest.approx([0, 0.5, 0, 0, 0.5]) and ret[0] == pytest.approx([0, 1, 0, 0, 1])
+
+
+def test_step_return_step_wise_samples() -> None:
+    # episode e1: turn rewards 0, 1; e2: one turn, reward 0. gamma 0.5 -> G(e1) = [0.5, 1], G(e2) = [0].
+    samples = [
+        _sample(0.0, "g", "e1", [0, 1], 0),
+        _sample(1.0, "g", "e1", [0, 1], 1),
+        _sample(0.0, "g", "e2", [0, 1], 0),
+    ]
+    out = A.step_return_advantages(samples, gamma=0.5)
+    b = (0.5 + 0.0) / 2  # baseline: group mean of the episodes' G_0
+    assert out == [[0, 0.5 - b], [0, 1 - b], [0, -b]]
+
+
+def test_step_return_trajectory_segments() -> None:
+    s1 = _sample(0.0, "g", "e1", [0, 1, 1, 0, 1], step_rewards=[0.0, 1.0])
+    s2 = _sample(0.0, "g", "e2", [0, 1, 0, 0, 0], step_rewards=[0.0])
+    out = A.step_return_advantages([s1, s2], gamma=1.0)
+    assert out[0] == [0, 0.5, 0.5, 0, 0.5] and out[1] == [0, -0.5, 0, 0, 0]
+
+
+# ---- losses ------------------------------------------------------------------------------------------
+
+
+def _t(*x: float) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.float32)[None]
+
+
+def test_ppo_clip_hand_values_and_clip_fraction() -> None:
+    logp = torch.log(_t(1.5, 0.5, 1.1))  # old log-probs 0 -> ratios 1.5, 0.5, 1.1
+    adv, w = _t(1.0, -1.0, 1.0), _t(1, 1, 1)
+    loss, st = L.ppo_clip_loss(logp, torch.zeros_like(logp), adv, w, denom=3)
+    assert float(loss) == pytest.approx((-1.2 + 0.8 - 1.1) / 3)
+    assert float(st["clipped"]) / float(st["tokens"]) == pytest.approx(2 / 3)
+    higher, _ = L.ppo_clip_loss(logp, torch.zeros_like(logp), adv, w, denom=3, clip_high=0.28)
+    assert float(higher) == pytest.approx((-1.28 + 0.8 - 1.1) / 3)
+
+
+def test_dual_clip_caps_negative_advantage_loss() -> None:
+    logp = torch.log(_t(5.0))
+    loss, st = L.ppo_clip_loss(logp, torch.zeros_like(logp), _t(-1.0), _t(1), 1, dual_clip=3.0)
+    assert float(loss) == pytest.approx(3.0) and float(st["dual_clipped"]) == 1.0
+    plain, _ = L.ppo_clip_loss(logp, torch.zeros_like(logp), _t(-1.0), _t(1), 1)
+    assert float(plain) == pytest.approx(5.0)
+
+
+def test_decoupled_equals_ppo_clip_on_policy() -> None:
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(3, 7, generator=g) * 0.3 - 2
+    old = logp + torch.randn(3, 7, generator=g) * 0.2
+    adv = torch.randn(3, 7, generator=g)
+    mask = (torch.rand(3, 7, generator=g) > 0.3).float()
+    seq = torch.arange(3)[:, None].expand(3, 7)
+    for level in ("token", "sequence"):
+        d, _ = L.decoupled_ppo_loss(logp, old, old, adv, mask, mask.sum(), seq, dual_clip=3.0, is_level=level)
+        p, _ = L.ppo_clip_loss(logp, old, adv, mask, mask.sum(), dual_clip=3.0)
+        assert float(d) == pytest.approx(float(p), abs=1e-6)
+
+
+def test_decoupled_importance_weights_truncated() -> None:
+    prox, behav = torch.log(_t(0.5, 0.9)), torch.log(_t(0.1, 0.9))  # token weights 5 -> 2 (truncated), 1
+    mask, seq = _t(1, 1), torch.zeros(1, 2, dtype=torch.long)
+    assert L.is_weights(prox, behav, mask, seq, 2.0, "token")[0].tolist() == pytest.approx([2.0, 1.0])
+    prox, behav = torch.log(_t(0.5, 0.5)), torch.log(_t(0.4, 0.5))  # sequence: 1.25 * 1 on both tokens
+    assert L.is_weights(prox, behav, mask, seq, 2.0, "sequence")[0].tolist() == pytest.approx([1.25, 1.25])
+    logp = prox.clone()  # ratio 1 -> per-token loss -A * is_weight
+    loss, st = L.decoupled_ppo_loss(logp, prox, behav, _t(1.0, 1.0), mask, 2, seq, is_level="sequence")
+    assert float(loss) == pytest.approx(-1.25) and float(st["is_truncated"]) == 0.0
+
+
+def test_masked_tokens_contribute_nothing() -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0]], requires_grad=True)
+    mask = _t(1, 0, 1)
+    a, _ = L.ppo_clip_loss(logp, _t(-1.2, -2.0, -2.5), _t(1.0, 1.0, -1.0), mask, 2)
+    b, _ = L.ppo_clip_loss(logp, _t(-1.2, 7.0, -2.5), _t(1.0, -50.0, -1.0), mask, 2)
+    assert float(a.detach()) == float(b)
+    a.backward()
+    assert logp.grad[0, 1] == 0.0
+    assert float(L.sft_loss(torch.tensor([[-1.0, -99.0]]), _t(1, 0), 1)) == 1.0
+
+
+def test_kl_estimators() -> None:
+    logp, ref = torch.log(torch.tensor(0.5)), torch.log(torch.tensor(0.25))
+    assert float(L.kl_penalty(logp, ref, "k1")) == pytest.approx(math.log(2))
+    assert float(L.kl_penalty(logp, ref, "k3")) == pytest.approx(0.5 + math.log(2) - 1)
+    assert float(L.kl_penalty(ref, ref, "k3")) == 0.0
+
+
+def test_aggregations() -> None:
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    seq = torch.tensor([[0, 0, 0, 0], [1, 1, 1, 1]])
+    v = torch.tensor([[1.0, 2.0, 3.0, 100.0], [10.0, 100.0, 100.0, 100.0]])
+    assert float(L.aggregate(v, L.token_weights(mask, seq, "token_mean"), 4)) == pytest.approx(16 / 4)
+    assert float(L.aggregate(v, L.token_weights(mask, seq, "seq_mean_token_sum"), 2)) == pytest.approx(8.0)
+    assert float(L.aggregate(v, L.token_weights(mask, seq, "seq_mean_token_mean"), 2)) == pytest.approx(6.0)
+    ent = L.entropy_from_logits(torch.zeros(1, 4))
+    assert float(ent) == pytest.approx(math.log(4))
+
+
+# ---- batching and schedule -----------------------------------------------------------------------------
+
+
+def test_shard_and_micro_batches() -> None:
+    lengths = [100, 10, 60, 50, 40, 30]
+    shards = shard_indices(lengths, 2)
+    assert sorted(i for s in shards for i in s) == list(range(6))
+    loads = [sum(lengths[i] for i in s) for s in shards]
+    assert abs(loads[0] - loads[1]) <= 10
+    mbs = micro_batches(range(6), lengths, budget=120, layout="packed")
+    assert all(sum(lengths[i] for i in mb) <= 120 or len(mb) == 1 for mb in mbs)
+    pad = micro_batches(range(6), lengths, budget=120, layout="pad")
+    assert all(len(mb) * max(lengths[i] for i in mb) <= 120 or len(mb) == 1 for mb in pad)
+
+
+def test_collate_layouts() -> None:
+    toks = [[5, 6, 7], [8, 9]]
+    fields = {"loss_mask": [[1, 1, 1], [1, 1]], "adv": [[1.0, 2.0, 3.0], [4.0, 5.0]]}
+    pad = collate(toks, fields, "pad", pad_id=0)
+    assert pad["input_ids"].tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert pad["loss_mask"].tolist() == [
+        [0, 1, 1],
+        [0, 1, 0],
+    ]  # first token of each sequence: nothing predicts it
+    packed = collate(toks, fields, "packed", pad_id=0)
+    assert packed["position_ids"].tolist() == [[0, 1, 2, 0, 1]]
+    assert packed["loss_mask"].tolist() == [[0, 1, 1, 0, 1]]
+    assert packed["attention_mask"][0, 0, 3].tolist() == [False, False, False, True, False]
+    assert scatter_back(packed["adv"], packed) == [[1.0, 2.0, 3.0], [4.0, 5.0]]
+
+
+def test_lr_schedule() -> None:
+    assert [lr_factor(s, 2, 10, "constant") for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5)
+    assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
