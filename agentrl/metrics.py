@@ -90,7 +90,9 @@ class TrackerBackend:
             else:
                 raise ValueError(f"unknown tracker {name!r}")
         except ImportError as err:
-            raise RuntimeError(f"logging.trackers has {name!r} but it is not installed: pip install agentrl[tracking]") from err
+            raise RuntimeError(
+                f"logging.trackers has {name!r} but it is not installed: pip install agentrl[tracking]"
+            ) from err
         self._mod = mod
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).parents[1]
 MAPPING = {"agentrl": "agentrl", "agentrl.envs": "envs", "agentrl.tools": "tools", "agentrl.reward": "reward"}
@@ -31,7 +32,18 @@ def test_every_package_folder_is_listed_in_pyproject():
 def test_wheel_install_maps_namespaces(tmp_path):
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(ROOT)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(ROOT),
+        ],
         check=True,
         capture_output=True,
         timeout=300,

@@ -61,7 +61,7 @@ def test_chat_template_round_trips(built):
     ]
     text = tok.apply_chat_template(messages, tokenize=False)
     assert text.startswith("<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n#P_#<|im_end|>\n")
-    assert "<tool_response>\n{\"result\": 3}\n</tool_response>" in text
+    assert '<tool_response>\n{"result": 3}\n</tool_response>' in text
     assert tok.decode(tok(text)["input_ids"]) == text
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")

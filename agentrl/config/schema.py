@@ -11,7 +11,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
 
-
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
 
@@ -155,7 +154,8 @@ class TrainerConfig(Section):
     total_steps: PositiveInt = 100
     micro_batch_tokens: PositiveInt = Field(8192, description="token budget per packed micro-batch")
     packing: Literal["pad", "packed"] = Field(
-        "pad", description="micro-batch layout: rows padded to the longest (CPU) or one packed row + block mask"
+        "pad",
+        description="micro-batch layout: rows padded to the longest (CPU) or one packed row + block mask",
     )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

