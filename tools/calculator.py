@@ -15,7 +15,7 @@ from agentrl.tools.core import tool
 
 MAX_EXPRESSION_CHARS = 500
 MAX_INT_BITS = 4096  # about 1233 decimal digits: more than any task needs, cheap to multiply
-MAX_DEPTH = 50
+MAX_DEPTH = 200  # binary ops nest left: a sum of 200 terms is this deep
 
 _BINOPS: dict[type, Any] = {
     ast.Add: operator.add,
