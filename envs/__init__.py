@@ -26,9 +26,7 @@ __all__ = [
 
 _SOKOBAN = "agentrl.envs.sokoban.env:SokobanEnv"
 register_env("agentrl/Sokoban-v0", _SOKOBAN)
-register_env(
-    "agentrl/SimpleSokoban-v0", _SOKOBAN, dim_room=(6, 6), num_boxes=1, inner_walls=(0, 3), max_steps=15
-)
+register_env("agentrl/SimpleSokoban-v0", _SOKOBAN, dim_room=(6, 6), num_boxes=1, inner_walls=(0, 3), max_steps=15)
 register_env(
     "agentrl/LargerSokoban-v0",
     _SOKOBAN,

@@ -115,9 +115,7 @@ class TextEnv(gym.Env[str, str]):
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         if not isinstance(action, str):
-            raise TypeError(
-                f"{type(self).__name__}.step expects model output text, got {type(action).__name__}"
-            )
+            raise TypeError(f"{type(self).__name__}.step expects model output text, got {type(action).__name__}")
         parsed = self.parser.parse(action)
         moves = [self._canonical_action(a) for a in parsed] if parsed else []
         valid = bool(moves) and all(m is not None for m in moves)

@@ -24,9 +24,7 @@ class ContractViolation(Exception):
     """The env breaks the text-env contract (message says how)."""
 
 
-def check_text_env(
-    env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 20, seed: int = 0
-) -> dict:
+def check_text_env(env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 20, seed: int = 0) -> dict:
     """Run all checks and episodes; returns a report whose "violations" list is empty when the env passes.
 
     Raises UnknownEnvError / TypeError when the env cannot even be built (a usage mistake, not a violation).
@@ -79,12 +77,8 @@ def _check_step(result: Any) -> tuple[str, float, bool, bool, dict]:
     obs, reward, terminated, truncated, info = result
     _require(isinstance(obs, str), f"step() observation must be str, got {type(obs).__name__}")
     _require(isinstance(reward, (int, float)), f"step() reward must be a float, got {type(reward).__name__}")
-    _require(
-        isinstance(terminated, bool) and isinstance(truncated, bool), "terminated/truncated must be bool"
-    )
-    _require(
-        isinstance(info, dict) and isinstance(info.get("metrics"), dict), 'step() info needs a "metrics" dict'
-    )
+    _require(isinstance(terminated, bool) and isinstance(truncated, bool), "terminated/truncated must be bool")
+    _require(isinstance(info, dict) and isinstance(info.get("metrics"), dict), 'step() info needs a "metrics" dict')
     metrics = info["metrics"]
     missing = [k for k in REQUIRED_METRICS if k not in metrics]
     _require(not missing, f"info['metrics'] lacks {missing}")
@@ -113,9 +107,7 @@ def _contract_checks(env: TextEnv, seed: int) -> None:
     _, _, _, _, info = _check_step(env.step(action))
     _require(info["metrics"]["action_is_valid"] == 1.0, f"random_action() output {action!r} is not valid")
     corpus = env.tokenizer_corpus(num_episodes=2, seed=seed)
-    _require(
-        isinstance(corpus, list) and all(isinstance(t, str) for t in corpus), "tokenizer_corpus: list[str]"
-    )
+    _require(isinstance(corpus, list) and all(isinstance(t, str) for t in corpus), "tokenizer_corpus: list[str]")
 
 
 def _run_agent(env: TextEnv, agent: str, episodes: int, seed: int) -> dict[str, float]:

@@ -16,9 +16,7 @@ class GuessNumberEnv(TextEnv):
     information). The expert bisects, so it needs at most ceil(log2(max_number + 1)) turns.
     """
 
-    def __init__(
-        self, max_number: int = 100, max_steps: int = 10, correct_reward: float = 1.0, **text_kwargs: Any
-    ):
+    def __init__(self, max_number: int = 100, max_steps: int = 10, correct_reward: float = 1.0, **text_kwargs: Any):
         super().__init__(max_steps=max_steps, **text_kwargs)
         if max_number < 1:
             raise ValueError(f"max_number must be >= 1, got {max_number}")

@@ -38,8 +38,7 @@ class AnswerParser:
         probe = self.parse(self.format(["probe"]))
         if probe != ["probe"]:
             raise ValueError(
-                f"answer_format {self.answer_format!r} does not round-trip through "
-                f"answer_pattern {self.pattern!r}"
+                f"answer_format {self.answer_format!r} does not round-trip through answer_pattern {self.pattern!r}"
             )
 
     def parse(self, text: str) -> list[str] | None:

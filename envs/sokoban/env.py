@@ -61,10 +61,9 @@ class SokobanEnv(TextEnv):
         example = self.parser.format(["Up", "Left"] if many else ["Up"])
         count = f"up to {self.parser.max_actions} moves" if many else "one move"
         return (
-            "Sokoban: push every box onto a target. You can push one box, never pull.\n"
-            f"{wall} wall, {floor} floor, {target} target, {box} box, {box_on} box on target, "
-            f"{player} you, {player_on} you on target.\n"
-            f"Answer with {count} (Up, Down, Left or Right), e.g. {example}"
+            f"Sokoban: push each box {box} onto a target {target}.\n"
+            f"{wall} wall {floor} floor {box_on} box on target {player} you {player_on} you on target\n"
+            f"Answer {count} (Up, Down, Left or Right): {example}"
         )
 
     def _observation(self) -> str:
@@ -74,9 +73,7 @@ class SokobanEnv(TextEnv):
     @property
     def state(self) -> SokobanState:
         """The current position (immutable snapshot)."""
-        return SokobanState(
-            self._height, self._width, self._walls, self._targets, frozenset(self._boxes), self._player
-        )
+        return SokobanState(self._height, self._width, self._walls, self._targets, frozenset(self._boxes), self._player)
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
         """A generated level, or the one in `options["grid"]` (rendered text: fixed eval sets, tests)."""
@@ -99,9 +96,7 @@ class SokobanEnv(TextEnv):
         info["optimal_steps"] = self._optimal  # None: the given grid is unsolvable
         info["optimal_return"] = None
         if self._optimal is not None:
-            rewards = self._boxes_off_target * self.box_on_target_reward + self.solve_reward * (
-                self._optimal > 0
-            )
+            rewards = self._boxes_off_target * self.box_on_target_reward + self.solve_reward * (self._optimal > 0)
             info["optimal_return"] = round(self._optimal * self.step_penalty + rewards, 9)
         return obs, info
 

@@ -61,12 +61,7 @@ def generate_level(
 
 def _room(rng: random.Random, height: int, width: int, inner_walls: tuple[int, int]) -> frozenset[int]:
     """Outer wall ring plus a few random inner walls that keep the floor connected."""
-    border = {
-        r * width + c
-        for r in range(height)
-        for c in range(width)
-        if r in (0, height - 1) or c in (0, width - 1)
-    }
+    border = {r * width + c for r in range(height) for c in range(width) if r in (0, height - 1) or c in (0, width - 1)}
     interior = [i for i in range(height * width) if i not in border]
     count = min(rng.randint(*inner_walls), max(len(interior) - 2, 0))
     walls = border | set(rng.sample(interior, count))
