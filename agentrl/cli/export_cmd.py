@@ -10,9 +10,7 @@ from agentrl.cli import UsageError
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    p = sub.add_parser(
-        "export", parents=[common], help="write a HF model dir (transformers, vLLM) from a checkpoint"
-    )
+    p = sub.add_parser("export", parents=[common], help="write a HF model dir (transformers, vLLM) from a checkpoint")
     p.add_argument("checkpoint", help="checkpoint directory written by the trainer (save_checkpoint)")
     p.add_argument("out_dir", help="output directory (config, tokenizer, model.safetensors)")
     p.set_defaults(func=_export)

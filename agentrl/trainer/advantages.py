@@ -70,9 +70,7 @@ def discounted_returns(rewards: Sequence[float], gamma: float) -> list[float]:
     return out
 
 
-def gae(
-    rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over one sequence of T steps (model tokens), terminal after the last.
 
     Returns (advantages, returns = advantages + values), both [T].

@@ -27,9 +27,7 @@ def shard_indices(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def micro_batches(
-    indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str
-) -> list[list[int]]:
+def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
     """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
 
     A sample longer than the budget gets a micro-batch of its own.
@@ -40,11 +38,7 @@ def micro_batches(
     cost = 0
     for i in order:
         n = lengths[i]
-        new_cost = (
-            (len(cur) + 1) * max(n, max((lengths[j] for j in cur), default=0))
-            if layout == "pad"
-            else cost + n
-        )
+        new_cost = (len(cur) + 1) * max(n, max((lengths[j] for j in cur), default=0)) if layout == "pad" else cost + n
         if cur and new_cost > budget:
             out.append(cur)
             cur, new_cost = [], n
@@ -115,8 +109,6 @@ def collate(
 def scatter_back(per_token: torch.Tensor, batch: dict[str, torch.Tensor]) -> list[list[float]]:
     """Per-token [rows, T] values back to one list per sequence of the micro-batch."""
     out = []
-    for r, a, L in zip(
-        batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True
-    ):
+    for r, a, L in zip(batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True):
         out.append(per_token[r, a : a + L].tolist())
     return out

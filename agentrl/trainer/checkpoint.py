@@ -48,9 +48,7 @@ def hf_state_dict(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> 
     return out
 
 
-def write_safetensors(
-    state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors"
-) -> str:
+def write_safetensors(state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors") -> str:
     """Write atomically (temp file + rename) so an engine never reads half a snapshot."""
     from safetensors.torch import save_file
 

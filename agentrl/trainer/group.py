@@ -112,6 +112,18 @@ class TrainerGroup:
         """Full weights as HF safetensors in `out_dir` (/dev/shm on CPU): an engine's reload_weights dir."""
         return self._get(self.export_weights_async(out_dir))
 
+    def weight_metas(self) -> list:
+        """Names, shapes, dtypes of the weights that `broadcast_weights_async` sends (for the receivers)."""
+        return self._get(self._call("weight_metas"))
+
+    def init_weight_group_async(self, addr: str, port: int, world_size: int) -> ray.ObjectRef:
+        """Accelerators: rank 0 joins a broadcast group with the engine workers; start both sides together."""
+        return self._call("init_weight_group", addr, port, world_size)
+
+    def broadcast_weights_async(self, bucket_bytes: int = 256 << 20) -> ray.ObjectRef:
+        """Accelerators: broadcast the current weights to the engines (who call `receive_weights` meanwhile)."""
+        return self._call("broadcast_weights", bucket_bytes)
+
     def save_checkpoint(self, ckpt_dir: str) -> str:
         """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, step, policy version."""
         return self._get(self._call("save_checkpoint", ckpt_dir))

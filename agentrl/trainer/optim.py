@@ -37,9 +37,7 @@ def build_optimizer(
         weight_decay=cfg.weight_decay,
         foreach=False,
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule)
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule))
     return opt, sched
 
 

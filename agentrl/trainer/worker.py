@@ -42,9 +42,7 @@ class TrainerRank:
         self.device = plat.torch_device(0)
         if plat.kind == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(
-            plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
-        )
+        dist.init_process_group(plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
         torch.manual_seed(self.cfg.seed)
         dtype = torch.float32  # master weights; accelerators could add an FSDP2 MixedPrecisionPolicy
         self.model = apply_fsdp2(load_causal_lm(model_path, dtype, self.device))
@@ -58,9 +56,7 @@ class TrainerRank:
         opt_steps = self.tc.total_steps * self.alg.ppo_epochs
         if self.alg.advantage == "gae":
             self.critic = apply_fsdp2(ValueModel(model_path, dtype, self.device))
-            self.critic_opt, self.critic_sched = build_optimizer(
-                self.critic.parameters(), self.tc.optim, opt_steps
-            )
+            self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
         self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
         self.sft_opt = None
         self.version = 0  # policy version = optimizer steps taken (RL and SFT)
@@ -77,18 +73,12 @@ class TrainerRank:
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(int(n) - len(mbs))]
 
-    def _batch(
-        self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]
-    ) -> dict:
+    def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
         """Collate micro-batch `idx`; an empty one is a 2-token dummy, loss mask 0 (keeps FSDP in step)."""
         if not idx:
-            return collate(
-                [[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id
-            )
+            return collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
         toks = [samples[i].token_ids for i in idx]
-        return collate(
-            toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id
-        )
+        return collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
 
     @torch.no_grad()
     def _logprob_pass(self, model, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
@@ -114,9 +104,7 @@ class TrainerRank:
 
     # ---- advantages ----------------------------------------------------------------------------------------
 
-    def _advantages(
-        self, samples, mine, prox, ref, values
-    ) -> tuple[dict[int, list[float]], dict, list[float]]:
+    def _advantages(self, samples, mine, prox, ref, values) -> tuple[dict[int, list[float]], dict, list[float]]:
         """Per-token advantages for this rank's samples (+ value targets for GAE), and shaped rewards."""
         alg = self.alg
         rewards = [s.reward for s in samples]
@@ -125,9 +113,7 @@ class TrainerRank:
             cur = prox if prox is not None else {i: samples[i].logprobs for i in mine}
             for i in mine:
                 m = samples[i].loss_mask
-                token_kl[i] = [
-                    -alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)
-                ]
+                token_kl[i] = [-alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)]
             kl_sum = self._gather({i: sum(v) for i, v in token_kl.items()})
             if alg.advantage != "gae":  # GAE takes the penalty per token instead
                 rewards = [r + kl_sum[i] for i, r in enumerate(rewards)]
@@ -137,9 +123,7 @@ class TrainerRank:
             a, r = adv_lib.gae_advantages(sub, [values[i] for i in mine], alg.gamma, alg.gae_lambda, kl)
             return dict(zip(mine, a, strict=True)), dict(zip(mine, r, strict=True)), rewards
         if alg.advantage == "step_return":
-            shaped = [
-                s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)
-            ]
+            shaped = [s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)]
             a = adv_lib.step_return_advantages(shaped, alg.gamma)
             return {i: a[i] for i in mine}, {}, rewards
         seq = adv_lib.sequence_advantages(alg.advantage, rewards, [s.group_id for s in samples])
@@ -324,6 +308,30 @@ class TrainerRank:
         dist.barrier()
         return out_dir
 
+    def weight_metas(self) -> list:
+        """Names, full shapes and dtypes of the exported weights: engines need them before a broadcast."""
+        from agentrl.trainer.weight_sync import meta_of
+
+        skip = {"lm_head.weight"} if self.tied else set()
+        return [meta_of(k, v) for k, v in self.model.state_dict().items() if k not in skip]
+
+    def init_weight_group(self, addr: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the weight-sync group with the engine workers (they must join concurrently)."""
+        if self.rank == 0:
+            from agentrl.trainer.weight_sync import new_group
+
+            self._sync_group = new_group(detect().dist_backend, addr, port, 0, world_size)
+
+    def broadcast_weights(self, bucket_bytes: int) -> int:
+        """Collective gather of the full weights, then rank 0 broadcasts them bucket by bucket (device only)."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            from agentrl.trainer.weight_sync import broadcast_state_dict
+
+            broadcast_state_dict(self._sync_group, hf_state_dict(state, self.tied), self.device, bucket_bytes)
+        dist.barrier()
+        return self.version
+
     def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
         opts = {"optim": self.opt}
         if self.sft_opt is not None:
@@ -342,9 +350,7 @@ class TrainerRank:
             "version": self.version,
         }
         meta = {"step": self.step, "version": self.version, "world_size": self.world}
-        save_sharded(
-            ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic
-        )
+        save_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic)
         return ckpt_dir
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
