@@ -51,12 +51,16 @@ def env_spec(env_id: str) -> EnvSpec:
 
 
 def env_kwargs(env_id: str) -> dict[str, Any]:
-    """Every keyword the env accepts, with its effective default (registered defaults beat the signature)."""
+    """Every keyword the env accepts, with its effective default (registered defaults beat the signature).
+
+    A "**kwargs" key means the entry point takes keywords that cannot be listed."""
     spec = env_spec(env_id)
     creator = load_env_creator(spec.entry_point) if isinstance(spec.entry_point, str) else spec.entry_point
     params: dict[str, Any] = {}
     target = creator.__init__ if inspect.isclass(creator) else creator
+    open_ended = False
     for name, p in inspect.signature(target).parameters.items():
+        open_ended = open_ended or p.kind is p.VAR_KEYWORD
         if name == "self" or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             continue
         params[name] = None if p.default is inspect.Parameter.empty else p.default
@@ -64,6 +68,8 @@ def env_kwargs(env_id: str) -> dict[str, Any]:
         for name, p in inspect.signature(TextEnv.__init__).parameters.items():
             if name != "self" and name not in params:
                 params[name] = p.default
+    elif open_ended:
+        params["**kwargs"] = None  # a factory that forwards keywords we cannot list
     params.pop("render_mode", None)
     params.update(spec.kwargs)
     return params

@@ -25,9 +25,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         help="check an env (gymnasium checker + text-env contract) and play random/expert episodes",
     )
     c.add_argument("env_id", help="registered env id, e.g. agentrl/SimpleSokoban-v0")
-    c.add_argument(
-        "kwargs", nargs="*", help="env kwargs as key=value (values are Python literals or plain text)"
-    )
+    c.add_argument("kwargs", nargs="*", help="env kwargs as key=value (values are Python literals or plain text)")
     c.add_argument("--episodes", type=int, default=20, help="episodes per agent (default 20)")
     c.add_argument("--seed", type=int, default=0, help="first episode seed (default 0)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -71,12 +69,12 @@ def _check(args: argparse.Namespace) -> int:
     try:
         known = env_kwargs(args.env_id)
         unknown = sorted(set(kwargs) - set(known))
-        if unknown:
+        if unknown and "**kwargs" not in known:
             raise UsageError(f"{args.env_id} has no kwarg(s) {unknown}; it accepts: {', '.join(known)}")
         report = check_text_env(args.env_id, kwargs, episodes=args.episodes, seed=args.seed)
     except UnknownEnvError as err:
         raise UsageError(str(err)) from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError) as err:  # raised while building the env: bad kwargs or values
         raise UsageError(f"cannot build {args.env_id} with {kwargs}: {err}") from None
     if args.json:
         print(json.dumps(report, indent=2, default=repr))
