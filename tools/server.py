@@ -44,6 +44,7 @@ class Detail(BaseModel):
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": Detail, "description": "body is not parseable (e.g. not UTF-8 JSON)"},
     401: {"model": Detail, "description": "missing or wrong bearer token"},
     413: {"model": Detail, "description": "request body too large"},
     429: {"model": Detail, "description": "too many open sessions"},
