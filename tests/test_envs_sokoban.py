@@ -7,6 +7,8 @@ import random
 import gymnasium as gym
 import pytest
 from agentrl.envs.sokoban import SYMBOL_SETS, parse_grid, render, solve
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import agentrl
 
@@ -132,3 +134,19 @@ def test_gymnasium_make_and_env_checker() -> None:
     obs, _ = env.reset(seed=5)
     assert obs == agentrl.make_env("agentrl/SimpleSokoban-v0").reset(seed=5)[0]
     check_env(env.unwrapped)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), moves=st.lists(st.sampled_from(["Up", "Down", "Left", "Right"]), max_size=30))
+def test_random_play_keeps_the_board_consistent(seed: int, moves: list[str]) -> None:
+    env = agentrl.make_env("agentrl/LargerSokoban-v0", max_steps=100)
+    env.reset(seed=seed)
+    walls, targets = env.state.walls, env.state.targets
+    for move in moves:
+        obs, reward, terminated, _, _ = env.step(f"<answer>{move}</answer>")
+        state = env.state
+        assert len(state.boxes) == 2 and not state.boxes & walls and state.player not in walls | state.boxes
+        assert state.targets == targets and parse_grid(obs) == state
+        assert reward in {-0.1, 0.9, -1.1, 10.9}
+        if terminated:
+            break
