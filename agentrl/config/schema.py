@@ -71,14 +71,31 @@ class RewardFnSpec(Section):
     weight: float = 1.0
     kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout_s: PositiveFloat = 30.0
+    label: str | None = Field(None, description="component name (default: name); needed to use a function twice")
+    isolation: Literal["none", "process"] = Field(
+        "none", description="process: run in a subprocess that is killed on timeout (CPU-heavy / unsafe verifiers)"
+    )
+
+    @property
+    def key(self) -> str:
+        return self.label or self.name
 
 
 class RewardConfig(Section):
     functions: list[RewardFnSpec] = Field(default_factory=list)
     env_reward_weight: float = Field(1.0, description="return = env_reward_weight * env return + sum(w_i r_i)")
     num_workers: PositiveInt = 1
-    queue_size: PositiveInt = 1024
-    timeout_s: PositiveFloat = 60.0
+    queue_size: PositiveInt = Field(1024, description="episodes queued or in flight before score() waits")
+    timeout_s: PositiveFloat = Field(60.0, description="whole-episode limit, on top of each function's timeout_s")
+    process_slots: PositiveInt = Field(2, description="subprocesses per worker for isolation=process functions")
+
+    @model_validator(mode="after")
+    def _unique_keys(self) -> RewardConfig:
+        keys = [f.key for f in self.functions]
+        dup = sorted({k for k in keys if keys.count(k) > 1})
+        if dup:
+            raise ValueError(f"reward.functions: duplicate component names {dup}; give them distinct `label`s")
+        return self
 
 
 class SamplingConfig(Section):
