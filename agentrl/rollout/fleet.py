@@ -27,9 +27,11 @@ def engine_class(backend: str) -> type:
     raise ValueError(f"unknown rollout backend {backend!r}")
 
 
-def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int) -> dict[str, Any]:
+def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0) -> dict[str, Any]:
     if cfg.backend == "remote":
-        return {"url": cfg.url, "request_timeout_s": cfg.request_timeout_s}
+        # rollout.url may list several servers, comma-separated: engine i talks to server i (round robin).
+        urls = [u.strip() for u in (cfg.url or "").split(",") if u.strip()]
+        return {"url": urls[index % len(urls)], "request_timeout_s": cfg.request_timeout_s, **cfg.engine_kwargs}
     return {
         "model_path": model_path,
         "max_model_len": cfg.max_model_len,
@@ -41,22 +43,24 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int) -> dict[str, A
     }
 
 
-def _create(cfg: RolloutConfig, model_path: str, seed: int) -> Any:
+def _create(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0) -> Any:
     platform = detect()
+    # A remote engine is an HTTP client: it needs no accelerator and no vLLM environment.
+    options = (
+        {"num_cpus": 0}
+        if cfg.backend == "remote"
+        else {"runtime_env": {"env_vars": platform.vllm_env(cfg.kv_cache_gib)}, **platform.ray_actor_options()}
+    )
     return (
         ray.remote(engine_class(cfg.backend))
-        .options(
-            max_concurrency=4096,
-            runtime_env={"env_vars": platform.vllm_env(cfg.kv_cache_gib)},
-            **platform.ray_actor_options(),
-        )
-        .remote(**engine_kwargs(cfg, model_path, seed))
+        .options(max_concurrency=4096, **options)
+        .remote(**engine_kwargs(cfg, model_path, seed, index))
     )
 
 
 def start_engines(cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None) -> list[Any]:
     """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
-    handles = [_create(cfg, model_path, seed + i) for i in range(count or cfg.num_engines)]
+    handles = [_create(cfg, model_path, seed + i, i) for i in range(count or cfg.num_engines)]
     ray.get([h.start.remote() for h in handles])
     return handles
 

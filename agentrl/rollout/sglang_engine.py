@@ -1,0 +1,245 @@
+"""SGLang backend: one in-process `sglang.Engine` per engine actor, token-in/token-out, versioned weight updates.
+
+SGLang is CUDA-only, so it is imported lazily (inside `start`) and this module imports on any machine. The wire
+format of SGLang's native `/generate` (input_ids, sampling_params, return_logprob -> output_ids,
+meta_info.output_token_logprobs, meta_info.finish_reason) is what `Engine.async_generate` returns too, so the
+mapping helpers here also serve the remote HTTP backend.
+
+`GatedEngine` holds the gate + drain bookkeeping VLLMEngine does inline (the same semantics): update_weights closes
+the gate to new requests, preempts (or waits for) in-flight ones, reloads, bumps the version, reopens the gate.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from agentrl.rollout.base import DrainMode, EngineError, RolloutEngine
+from agentrl.rollout.vllm_engine import _eos_token_ids
+from agentrl.types import FinishReason, GenOutput, SamplingParams
+
+Completion = tuple[list[int], list[float], FinishReason]
+
+
+def finish_reason(raw: Any) -> FinishReason:
+    """Normalise a server's finish reason (str or SGLang's {"type": ...}) to stop / length / abort."""
+    kind = raw.get("type") if isinstance(raw, dict) else raw
+    return kind if kind in ("stop", "length", "abort") else "stop"
+
+
+def sglang_sampling(s: SamplingParams, eos: Sequence[int] = ()) -> dict[str, Any]:
+    """SGLang's sampling_params dict (its names: max_new_tokens, sampling_seed; top_k=-1 means off)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "top_k": s.top_k if s.top_k > 0 else -1,
+        "stop_token_ids": sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos))),
+        "ignore_eos": s.ignore_eos,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,  # keep the stop / EOS token: the trainer must see every sampled token
+    }
+    if s.seed is not None:
+        params["sampling_seed"] = s.seed
+    return params
+
+
+def sglang_request(token_ids: list[int], s: SamplingParams, request_id: str, eos: Sequence[int] = ()) -> dict[str, Any]:
+    """Fields of `Engine.async_generate(**...)` and of the JSON body of POST /generate."""
+    return {
+        "input_ids": list(token_ids),
+        "sampling_params": sglang_sampling(s, eos),
+        "return_logprob": True,
+        "rid": request_id,
+    }
+
+
+def parse_sglang_output(out: dict[str, Any]) -> Completion:
+    """Tokens, their log-probs and the finish reason from one SGLang generate result.
+
+    meta_info.output_token_logprobs is a list of (logprob, token_id, text-or-None); output_ids, when present,
+    must agree with it.
+    """
+    meta = out.get("meta_info") or {}
+    pairs = meta.get("output_token_logprobs") or []
+    ids = [int(p[1]) for p in pairs]
+    logprobs = [float(p[0]) if p[0] is not None else float("nan") for p in pairs]
+    if out.get("output_ids") is not None and [int(t) for t in out["output_ids"]] != ids:
+        raise EngineError(f"SGLang output_ids and output_token_logprobs disagree for request {meta.get('id')}")
+    return ids, logprobs, finish_reason(meta.get("finish_reason"))
+
+
+class GatedEngine(RolloutEngine):
+    """In-flight bookkeeping, the pause gate and drain for engines that reach their model through a client."""
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._in_flight: dict[str, int] = {}
+        self._preempting: set[str] = set()
+        self._tokens_generated = 0
+        self._requests_done = 0
+
+    @abc.abstractmethod
+    async def start(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        """Run one request on the backend; an aborted request returns its partial tokens (reason "abort")."""
+
+    @abc.abstractmethod
+    async def _abort_ids(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def _load_weights(self, source: str, version: int) -> None: ...
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
+        await self.start()
+        while not self._gate.is_set():
+            await self._gate.wait()
+        if request_id in self._in_flight:
+            raise EngineError(f"request id {request_id!r} is already in flight")
+        version = self._version
+        self._in_flight[request_id] = len(token_ids) + sampling.max_tokens
+        try:
+            ids, logprobs, reason = await self._complete(token_ids, sampling, request_id)
+        finally:
+            self._in_flight.pop(request_id, None)
+            preempted = request_id in self._preempting
+            self._preempting.discard(request_id)
+        if len(logprobs) != len(ids):
+            raise EngineError(f"request {request_id}: {len(ids)} tokens but {len(logprobs)} log-probs")
+        self._tokens_generated += len(ids)
+        self._requests_done += 1
+        return GenOutput(ids, logprobs, reason, version, preempted=preempted and reason == "abort")
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._in_flight:
+            await self._abort_ids([request_id])
+
+    async def _drain(self, mode: DrainMode) -> None:
+        """With the gate closed: preempt in-flight requests (or let them finish) and wait until none runs."""
+        if mode == "abort" and self._in_flight:
+            ids = list(self._in_flight)
+            self._preempting.update(ids)
+            await self._abort_ids(ids)
+        while self._in_flight:
+            await asyncio.sleep(0.002)
+
+    async def pause(self) -> None:
+        await self.start()
+        self._gate.clear()
+        await self._drain("abort")
+
+    async def resume(self) -> None:
+        self._gate.set()
+
+    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
+        await self.start()
+        t0 = time.perf_counter()
+        was_open = self._gate.is_set()
+        self._gate.clear()
+        try:
+            await self._drain(drain)
+            await self._load_weights(str(source), version)
+            self._version = version
+        finally:
+            if was_open:
+                self._gate.set()
+        return time.perf_counter() - t0
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "in_flight": len(self._in_flight),
+            "tokens_in_flight": sum(self._in_flight.values()),
+            "tokens_generated": self._tokens_generated,
+            "requests_done": self._requests_done,
+            "version": self._version,
+        }
+
+    async def version(self) -> int:
+        return self._version
+
+
+class SGLangEngine(GatedEngine):
+    """`sglang.Engine` in the actor's process (its scheduler runs in SGLang's own subprocesses)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_model_len: int = 4096,
+        kv_cache_gib: int = 1,
+        enforce_eager: bool = False,
+        dtype: str = "auto",
+        seed: int = 0,
+        gpu_memory_utilization: float = 0.85,
+        engine_kwargs: dict[str, Any] | None = None,
+        version: int = 0,
+    ):
+        super().__init__(version)
+        del kv_cache_gib  # a CPU-only knob; SGLang sizes its cache from mem_fraction_static
+        self.model_path = model_path
+        self._engine_args: dict[str, Any] = {
+            "model_path": model_path,
+            "skip_tokenizer_init": True,
+            "dtype": dtype,
+            "context_length": max_model_len,
+            "random_seed": seed,
+            "mem_fraction_static": gpu_memory_utilization,
+            "disable_cuda_graph": enforce_eager,
+            "log_level": "error",
+            **(engine_kwargs or {}),
+        }
+        self._eos = _eos_token_ids(model_path)
+        self._engine: Any = None
+        self._start_seconds = 0.0
+
+    async def start(self) -> dict[str, Any]:
+        """Build the sglang.Engine (lazy import: SGLang needs CUDA); idempotent."""
+        if self._engine is None:
+            import sglang
+
+            t0 = time.perf_counter()
+            self._engine = sglang.Engine(**self._engine_args)
+            self._start_seconds = time.perf_counter() - t0
+        return {"start_s": self._start_seconds, "version": self._version}
+
+    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        try:
+            out = await self._engine.async_generate(**sglang_request(token_ids, sampling, request_id, self._eos))
+        except asyncio.CancelledError:
+            self._engine.tokenizer_manager.abort_request(rid=request_id)
+            raise
+        except Exception as err:
+            raise EngineError(f"SGLang failed request {request_id}: {err}") from err
+        return parse_sglang_output(out)
+
+    async def _abort_ids(self, request_ids: list[str]) -> None:
+        """SGLang returns an aborted request with finish_reason {"type": "abort"} and the tokens so far."""
+        for rid in request_ids:
+            self._engine.tokenizer_manager.abort_request(rid=rid)
+
+    async def _load_weights(self, source: str, version: int) -> None:
+        """update_weights_from_disk reloads a safetensors snapshot dir (HF names) and flushes the radix cache.
+        The async tokenizer-manager call, not Engine.update_weights_from_disk: that one runs its own event loop."""
+        from sglang.srt.managers.io_struct import UpdateWeightFromDiskReqInput
+
+        result = await self._engine.tokenizer_manager.update_weights_from_disk(
+            UpdateWeightFromDiskReqInput(model_path=source), None
+        )
+        success, message = result[0], result[1] if len(result) > 1 else ""
+        if not success:
+            raise EngineError(f"SGLang could not load weights from {source}: {message}")
+
+    async def health(self) -> dict[str, Any]:
+        return {"ok": self._engine is not None, "version": self._version, "paused": not self._gate.is_set()}
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
