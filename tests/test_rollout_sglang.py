@@ -10,6 +10,7 @@ import asyncio
 import sys
 import types
 from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 
@@ -40,7 +41,7 @@ class FakeTokenizerManager:
 class FakeEngine:
     """Generates token i+100 at step i with log-prob -0.1*(i+1), one step per 5 ms, until done or aborted."""
 
-    instances: list[FakeEngine] = []
+    instances: ClassVar[list[FakeEngine]] = []
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
@@ -60,7 +61,8 @@ class FakeEngine:
             await asyncio.sleep(0.005)
             out.append(100 + i)
         pairs = [[-0.1 * (i + 1), t, None] for i, t in enumerate(out)]
-        return {"output_ids": out, "meta_info": {"id": kw["rid"], "finish_reason": reason, "output_token_logprobs": pairs}}
+        meta = {"id": kw["rid"], "finish_reason": reason, "output_token_logprobs": pairs}
+        return {"output_ids": out, "meta_info": meta}
 
     def shutdown(self) -> None:
         pass
