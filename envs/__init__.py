@@ -39,3 +39,4 @@ register_env(
 register_env("agentrl/FrozenLake-v0", "agentrl.envs.frozen_lake:FrozenLakeEnv")
 register_env("agentrl/GuessNumber-v0", "agentrl.envs.guess_number:GuessNumberEnv")
 register_env("agentrl/GymFrozenLakeText-v0", "agentrl.envs.gym_adapter:gym_frozen_lake_text")
+register_env("agentrl/MathTool-v0", "agentrl.envs.math_qa:MathToolEnv")

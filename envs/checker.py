@@ -6,6 +6,7 @@ Backs `agentrl check-env ID [key=value ...]`.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import warnings
@@ -113,7 +114,7 @@ def _contract_checks(env: TextEnv, seed: int) -> None:
 def _run_agent(env: TextEnv, agent: str, episodes: int, seed: int) -> dict[str, float]:
     """Play `episodes` episodes; success rate, mean turns/return, steps/s and reset time."""
     rng = random.Random(seed)
-    successes, turns, returns = 0.0, 0, 0.0
+    successes, turns, returns, tool_calls = 0.0, 0, 0.0, 0
     reset_s = step_s = 0.0
     for episode in range(episodes):
         t0 = time.perf_counter()
@@ -123,6 +124,9 @@ def _run_agent(env: TextEnv, agent: str, episodes: int, seed: int) -> dict[str, 
         for _ in range(MAX_TURNS_CAP):
             action = env.expert_action() if agent == "expert" else env.random_action(rng)
             _require(isinstance(action, str), f"{agent} action must be text")
+            if _run_tool_calls(env, action):
+                tool_calls += 1
+                continue
             t0 = time.perf_counter()
             result = env.step(action)
             step_s += time.perf_counter() - t0
@@ -142,4 +146,32 @@ def _run_agent(env: TextEnv, agent: str, episodes: int, seed: int) -> dict[str, 
         "mean_return": returns / max(episodes, 1),
         "steps_per_s": turns / step_s if step_s > 0 else None,
         "reset_ms": 1000 * reset_s / max(episodes, 1),
+        "tool_turns": tool_calls / max(episodes, 1),
     }
+
+
+# Tools the checker can run for envs that declare them (`env.tools`); the env manager uses the config's tool sets.
+BUILTIN_TOOLS = {"calculator": "agentrl.tools.calculator:calculator", "python": "agentrl.tools.pyexec:python"}
+
+
+def _run_tool_calls(env: TextEnv, action: str) -> bool:
+    """Run a turn's tool calls like the env manager would (results to `env.observe_tool_results`, no `step`).
+
+    Only for envs that define `observe_tool_results`; returns False when the turn has no tool call.
+    """
+    observe = getattr(env, "observe_tool_results", None)
+    if observe is None or "<tool_call>" not in action:
+        return False
+    from agentrl.tools import ParseError, load_python_tool, parse_tool_calls
+
+    results = []
+    for call in parse_tool_calls(action):
+        if isinstance(call, ParseError):
+            results.append(call.message)
+        elif call.name not in BUILTIN_TOOLS:
+            results.append(f"unknown tool {call.name!r}")
+        else:
+            result = asyncio.run(load_python_tool(BUILTIN_TOOLS[call.name])(call.arguments))
+            results.append(result.content)
+    observe(results)
+    return True
