@@ -25,3 +25,17 @@ def ray_session():
         ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(ray_session, tiny_model_path):
+    """Two real vLLM-CPU engine actors on the tiny model and a router actor in front of them (started once)."""
+    from agentrl.config.schema import RolloutConfig
+    from agentrl.rollout.fleet import start_engines, start_router
+
+    cfg = RolloutConfig(num_engines=2)
+    engines = start_engines(cfg, tiny_model_path)
+    router = start_router(engines, cfg)
+    yield cfg, engines, router
+    for handle in [*engines, router]:
+        ray_session.kill(handle)

@@ -9,7 +9,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agentrl.config.schema import RolloutConfig
 from agentrl.rollout.base import RetryableEngineError
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
@@ -19,13 +18,8 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
 
 @pytest.fixture(scope="module")
-def fleet(ray_session, tiny_model_path):
-    cfg = RolloutConfig(num_engines=2)
-    engines = start_engines(cfg, tiny_model_path)
-    router = start_router(engines, cfg)
-    yield cfg, engines, router
-    for handle in [*engines, router]:
-        ray_session.kill(handle)
+def fleet(vllm_fleet):
+    return vllm_fleet
 
 
 def _perturbed_copy(src: str, dst, scale: float) -> str:

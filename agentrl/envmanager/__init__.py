@@ -1,0 +1,1 @@
+"""Env managers: concurrent multi-turn episodes, token-exact history, tool calls, samples."""

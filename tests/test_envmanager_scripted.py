@@ -1,0 +1,188 @@
+"""Env manager logic with a scripted engine (a stand-in that replays expert text as tokens, no model): token-exact
+history, samples, tool calls, crashing envs, 256 concurrent episodes. The real-engine tests are in
+test_envmanager_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from agentrl.config.schema import ToolsConfig, ToolSpec
+from agentrl.envmanager.episode import EpisodeRunner, EpisodeSpec, Limits
+from agentrl.envmanager.samples import to_samples
+from agentrl.envs import make_env, register_env
+from agentrl.envs.sokoban.env import SokobanEnv
+from agentrl.types import GenOutput, SamplingParams
+
+
+class FlakySokoban(SokobanEnv):
+    """Raises on ~10% of steps (seeded), to show a crashing env fails only its own episode."""
+
+    def step(self, action):
+        if self._flaky_rng.random() < 0.1:
+            raise RuntimeError("flaky env exploded")
+        return super().step(action)
+
+    def reset(self, *, seed=None, options=None):
+        self._flaky_rng = random.Random(seed)
+        return super().reset(seed=seed, options=options)
+
+
+register_env("test/FlakySokoban-v0", f"{__name__}:FlakySokoban", dim_room=(6, 6), num_boxes=1, max_steps=15)
+
+
+class ScriptedEngine:
+    """Answers each request with a scripted text per episode, tokenised with the real tokenizer (+ EOS)."""
+
+    def __init__(self, tokenizer, script, delay_s: float = 0.0):
+        self.tok, self.script, self.delay_s = tokenizer, script, delay_s
+        self.calls = 0
+
+    async def __call__(self, episode_id, ids, sampling, rid) -> GenOutput:
+        self.calls += 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        text = self.script(episode_id, self.tok.decode(ids))
+        out = self.tok(text, add_special_tokens=False)["input_ids"][: sampling.max_tokens - 1]
+        out.append(self.tok.eos_token_id)
+        return GenOutput(out, [-0.5] * len(out), "stop", 0)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+def _expert_script():
+    envs: dict[str, SokobanEnv] = {}
+
+    def script(episode_id: str, prompt_text: str) -> str:
+        env = envs.get(episode_id)
+        if env is None:  # replay the same level to know the expert move
+            seed = int(episode_id.split("/")[-2])
+            env = envs[episode_id] = make_env("agentrl/SimpleSokoban-v0")
+            env.reset(seed=seed)
+        action = env.expert_action()
+        env.step(action)
+        return action
+
+    return script
+
+
+def _runner(tokenizer, engine, **limits) -> EpisodeRunner:
+    return EpisodeRunner(tokenizer, engine, lambda i, k: make_env(i, **k), Limits(**limits), ThreadPoolExecutor(4))
+
+
+def _spec(seed: int, env_id: str = "agentrl/SimpleSokoban-v0", **kw) -> EpisodeSpec:
+    return EpisodeSpec(env_id, seed, "sokoban", f"g/{seed}", f"e/{seed}/0", max_turns=15, **kw)
+
+
+async def test_token_exact_history_and_mask(tokenizer):
+    engine = ScriptedEngine(tokenizer, _expert_script())
+    runner = _runner(tokenizer, engine)
+    ep = await runner.run(_spec(11))
+    assert ep.error is None and ep.metrics["success"] == 1.0 and len(ep.turns) >= 2
+    rendered = tokenizer.apply_chat_template(ep.messages, tokenize=False)
+    # the trajectory ends at the model's last end-of-turn token; the template adds a newline after it
+    assert tokenizer.decode(ep.token_ids) == rendered.removesuffix("\n")
+    model_tokens = [t for turn in ep.turns for t in turn.token_ids]
+    assert [t for t, m in zip(ep.token_ids, ep.loss_mask, strict=True) if m] == model_tokens
+    assert all(v == 0 for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m)
+    assert all(v == -1 and lp == 0.0 for v, lp, m in zip(ep.versions, ep.logprobs, ep.loss_mask, strict=True) if not m)
+    (sample,) = to_samples(ep, ep.env_return, "trajectory")
+    assert sample.reward == pytest.approx(sum(t.reward for t in ep.turns)) and sample.truncation is None
+    assert sample.step_rewards[-1] > 10  # the solve bonus lands on the last turn
+
+
+async def test_step_wise_samples_and_history_window(tokenizer):
+    runner = _runner(tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="step")
+    ep = await runner.run(_spec(12))
+    samples = to_samples(ep, ep.env_return, "step")
+    assert len(samples) == len(ep.turns) >= 2
+    second = tokenizer.decode(samples[1].token_ids)
+    assert second.count("<|im_start|>user") == 1 and second.count("<|im_start|>assistant") == 1
+    assert [s.turn_index for s in samples] == list(range(len(samples)))
+    windowed = _runner(
+        tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="step", step_history_window=1
+    )
+    ep2 = await windowed.run(_spec(12))
+    text = tokenizer.decode(to_samples(ep2, 0.0, "step")[1].token_ids)
+    assert text.count("<|im_start|>user") == 2 and text.count("<|im_start|>assistant") == 2
+
+
+async def test_limits_name_the_truncation(tokenizer):
+    wander = ScriptedEngine(tokenizer, lambda e, p: "<answer>Up</answer>")
+    ep = await _runner(tokenizer, wander).run(
+        EpisodeSpec("agentrl/SimpleSokoban-v0", 3, "s", "g", "e/3/0", max_turns=2)
+    )
+    assert ep.truncation == "max_turns" and len(ep.turns) == 2
+    ep = await _runner(tokenizer, wander, max_total_tokens=200).run(_spec(3))
+    assert ep.truncation == "max_total_tokens" and len(ep.token_ids) <= 200
+
+
+async def test_crashing_env_fails_only_its_episodes(tokenizer):
+    runner = _runner(tokenizer, ScriptedEngine(tokenizer, lambda e, p: "<answer>Left</answer>"))
+    results = await asyncio.gather(*(runner.run(_spec(s, "test/FlakySokoban-v0")) for s in range(60)))
+    failed = [r for r in results if r.failed]
+    assert 5 <= len(failed) < 60 and all("flaky env exploded" in r.error for r in failed)
+    assert all(r.truncation is not None for r in results if not r.failed)
+
+
+async def test_tool_calls_run_concurrently_and_errors_reach_the_model(tokenizer):
+    toolbox_cfg = ToolsConfig(sets={"calc": {"calculator": ToolSpec(python="agentrl.tools.calculator:calculator")}})
+    from agentrl.tools import build_toolbox, parse_tool_calls
+
+    def script(episode_id, prompt_text):
+        if "<tool_response>" not in prompt_text:
+            return (
+                '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+                '<tool_call>{"name": "calculator", "arguments": {"expression": "1 +"}}</tool_call>'
+                "<tool_call>{not json}</tool_call>"
+            )
+        return "<answer>Up</answer>"
+
+    runner = EpisodeRunner(
+        tokenizer,
+        ScriptedEngine(tokenizer, script),
+        lambda i, k: make_env(i, **k),
+        Limits(max_tokens_per_turn=128, max_calls_per_turn=4),
+        ThreadPoolExecutor(2),
+        toolboxes={("calc",): build_toolbox(toolbox_cfg, ["calc"])},
+        tool_parser=parse_tool_calls,
+    )
+    ep = await runner.run(_spec(5, tool_sets=["calc"], sampling=SamplingParams(max_tokens=128)))
+    assert ep.error is None and ep.tool_calls == 3
+    tool_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
+    assert len(tool_msgs) == 3 and "42" in tool_msgs[0]
+    assert tool_msgs[1].startswith("error") and "parse" in tool_msgs[2]
+    rendered = tokenizer.apply_chat_template(ep.messages, tools=runner.toolboxes[("calc",)].schemas(), tokenize=False)
+    assert tokenizer.decode(ep.token_ids) == rendered.removesuffix("\n")
+
+
+async def test_256_concurrent_episodes_without_loop_stall(tokenizer):
+    engine = ScriptedEngine(tokenizer, _expert_script(), delay_s=0.002)
+    runner = _runner(tokenizer, engine)
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def heartbeat():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    beat = asyncio.ensure_future(heartbeat())
+    results = await asyncio.gather(*(runner.run(_spec(1000 + s)) for s in range(256)))
+    done.set()
+    await beat
+    assert all(r.error is None for r in results)
+    assert sum(r.metrics["success"] for r in results) == 256
+    assert len(gaps) > 10 and max(gaps) < 2.0, f"event loop stalled for {max(gaps):.2f}s"
