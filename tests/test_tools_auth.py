@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from agentrl.tools import ToolClient
 from agentrl.tools.calculator import calculator
 from agentrl.tools.serve import ServeError, ServerThread, check_bind, is_loopback, load_tools_file

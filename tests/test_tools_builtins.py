@@ -6,6 +6,7 @@ import os
 import time
 
 import pytest
+
 from agentrl.tools.calculator import calculator, evaluate
 from agentrl.tools.pyexec import make_python_tool
 from agentrl.tools.search import make_search_tool, search

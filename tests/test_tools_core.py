@@ -7,6 +7,9 @@ import time
 from typing import Annotated
 
 import pytest
+from pydantic import Field
+
+from agentrl.config.schema import ToolsConfig
 from agentrl.tools import (
     ParseError,
     Session,
@@ -20,9 +23,6 @@ from agentrl.tools import (
     tool,
 )
 from agentrl.tools.core import MAX_CONTENT_CHARS
-from pydantic import Field
-
-from agentrl.config.schema import ToolsConfig
 
 
 @tool

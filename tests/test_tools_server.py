@@ -12,6 +12,9 @@ from typing import Annotated
 
 import httpx
 import pytest
+from pydantic import Field
+
+from agentrl.config.schema import ToolsConfig
 from agentrl.tools import Session, ToolClient, build_toolbox, tool
 from agentrl.tools.calculator import calculator
 from agentrl.tools.pyexec import make_python_tool
@@ -19,9 +22,6 @@ from agentrl.tools.search import search
 from agentrl.tools.serve import ServerThread
 from agentrl.tools.server import ServerLimits, access_log, create_app
 from agentrl.tools.sokoban_hint import sokoban_hint
-from pydantic import Field
-
-from agentrl.config.schema import ToolsConfig
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # async fixtures live in the session loop (pyproject)
 TOKEN = "test-token-0123456789"

@@ -60,12 +60,7 @@ def _check(value: Any) -> Any:
 
 def _pow(base: Any, exp: Any) -> Any:
     """Refuse a power whose result would be huge *before* computing it."""
-    if (
-        isinstance(exp, (int, float))
-        and abs(base) > 1
-        and exp > 0
-        and math.log2(abs(base)) * exp > MAX_INT_BITS
-    ):
+    if isinstance(exp, (int, float)) and abs(base) > 1 and exp > 0 and math.log2(abs(base)) * exp > MAX_INT_BITS:
         raise CalcError(f"result too large (over {MAX_INT_BITS} bits)")
     return base**exp
 

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import httpx
+
 from agentrl.tools.core import ToolResult
 
 _RETRYABLE_EXC = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.PoolTimeout)
@@ -49,13 +50,9 @@ class ToolClient:
             transport=transport,
         )
 
-    async def _request(
-        self, method: str, path: str, timeout_s: float | None = None, **kw: Any
-    ) -> httpx.Response:
+    async def _request(self, method: str, path: str, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
         """Send, retrying connection errors and 5xx; returns the last response or raises the last error."""
-        timeout = (
-            httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)) if timeout_s else httpx.USE_CLIENT_DEFAULT
-        )
+        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)) if timeout_s else httpx.USE_CLIENT_DEFAULT
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
@@ -92,9 +89,7 @@ class ToolClient:
         try:
             resp = await self._request("POST", f"/tools/{name}/call", timeout_s=timeout_s, json=body)
         except httpx.TimeoutException:
-            return ToolResult.failure(
-                f"{name} timed out waiting for the tool server", time.perf_counter() - start
-            )
+            return ToolResult.failure(f"{name} timed out waiting for the tool server", time.perf_counter() - start)
         except httpx.HTTPError as err:
             msg = f"tool server unreachable for {name}: {type(err).__name__}: {err}"
             return ToolResult.failure(msg, time.perf_counter() - start)

@@ -176,9 +176,7 @@ class Tool:
             return arguments
         return self.args_model.model_validate(arguments)
 
-    async def run(
-        self, args: BaseModel, session: Session | None, timeout_s: float | None = None
-    ) -> ToolResult:
+    async def run(self, args: BaseModel, session: Session | None, timeout_s: float | None = None) -> ToolResult:
         """Run on validated args; never raises for tool failures (they become ok=False results)."""
         start = time.perf_counter()
         kwargs = {name: getattr(args, name) for name in type(args).model_fields}
@@ -192,9 +190,7 @@ class Tool:
                 call = functools.partial(self.fn, **kwargs)
                 value = await _with_timeout(asyncio.get_running_loop().run_in_executor(None, call), timeout)
         except TimeoutError:
-            return ToolResult.failure(
-                f"{self.name} timed out after {timeout:g}s", time.perf_counter() - start
-            )
+            return ToolResult.failure(f"{self.name} timed out after {timeout:g}s", time.perf_counter() - start)
         except asyncio.CancelledError:
             raise
         except Exception as err:

@@ -49,9 +49,7 @@ def get_parser(name: str) -> Parser:
     try:
         return _PARSERS[name]
     except KeyError:
-        raise KeyError(
-            f"unknown tool-call parser {name!r}; registered: {', '.join(sorted(_PARSERS))}"
-        ) from None
+        raise KeyError(f"unknown tool-call parser {name!r}; registered: {', '.join(sorted(_PARSERS))}") from None
 
 
 def _short(raw: str, n: int = 80) -> str:
@@ -72,9 +70,7 @@ def parse_hermes(text: str) -> list[ToolCall | ParseError]:
         try:
             obj = json.loads(raw)
         except json.JSONDecodeError as err:
-            calls.append(
-                ParseError(f"tool call is not valid JSON ({err.msg} at char {err.pos}): {_short(raw)}", raw)
-            )
+            calls.append(ParseError(f"tool call is not valid JSON ({err.msg} at char {err.pos}): {_short(raw)}", raw))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             calls.append(ParseError('tool call must be a JSON object with a string "name"', raw))

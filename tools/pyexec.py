@@ -70,9 +70,7 @@ async def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> RunOu
     with tempfile.TemporaryDirectory(prefix="agentrl-py-") as workdir:
         with open(os.path.join(workdir, "snippet.py"), "w", encoding="utf-8") as f:
             f.write(code)
-        launcher = _LAUNCHER.format(
-            mem=lim.memory_mb << 20, cpu=int(lim.timeout_s) + 1, fsize=lim.max_file_mb << 20
-        )
+        launcher = _LAUNCHER.format(mem=lim.memory_mb << 20, cpu=int(lim.timeout_s) + 1, fsize=lim.max_file_mb << 20)
         proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-I",

@@ -14,8 +14,9 @@ import threading
 from pathlib import Path
 from typing import Annotated, Any
 
-from agentrl.tools.core import Tool
 from pydantic import Field
+
+from agentrl.tools.core import Tool
 
 DEFAULT_CORPUS = Path(__file__).with_name("search_corpus.json")
 
@@ -49,9 +50,7 @@ class BM25Index:
                 self.docs = load_corpus(self.path)
                 texts = [f"{d.get('title', '')}. {d['text']}" for d in self.docs]
                 retriever = bm25s.BM25()
-                retriever.index(
-                    bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False
-                )
+                retriever.index(bm25s.tokenize(texts, stopwords="en", show_progress=False), show_progress=False)
                 self._retriever = retriever
         return self._retriever
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import uvicorn
 import yaml
-from agentrl.tools.core import Tool
-from agentrl.tools.server import ServerLimits, access_log, create_app
-from agentrl.tools.toolbox import load_python_tool
 from pydantic import ValidationError
 
 from agentrl.config.schema import ToolsConfig
+from agentrl.tools.core import Tool
+from agentrl.tools.server import ServerLimits, access_log, create_app
+from agentrl.tools.toolbox import load_python_tool
 
 
 class ServeError(ValueError):
@@ -68,9 +68,7 @@ def load_tools_file(path: str | Path) -> list[Tool]:
     for set_name, entries in cfg.sets.items():
         for name, spec in entries.items():
             if spec.python is None:
-                raise ServeError(
-                    f"{path}: tools.sets.{set_name}.{name}: a tool server serves python: tools only"
-                )
+                raise ServeError(f"{path}: tools.sets.{set_name}.{name}: a tool server serves python: tools only")
             if name in specs:
                 if specs[name] != spec:
                     raise ServeError(f"{path}: tool {name!r} is defined differently in two sets")

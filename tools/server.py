@@ -16,11 +16,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from agentrl.tools.core import SessionStore, Tool, ToolResult
 from fastapi import FastAPI, HTTPException, Path
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from agentrl.tools.core import SessionStore, Tool, ToolResult
 
 access_log = logging.getLogger("agentrl.tools.access")
 OPEN_PATHS = frozenset({"/health"})  # liveness probes need no token; they reveal nothing but "ok"
@@ -62,9 +63,7 @@ class _Limiter:
 
     def busy(self) -> JSONResponse:
         lim = self.limits
-        msg = (
-            f"server busy: {lim.max_concurrency} calls running and up to {lim.max_queue} queued; retry later"
-        )
+        msg = f"server busy: {lim.max_concurrency} calls running and up to {lim.max_queue} queued; retry later"
         return JSONResponse({"detail": msg}, status_code=503, headers={"Retry-After": "1"})
 
 
@@ -143,9 +142,7 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
     return app
 
 
-def _add_call_route(
-    app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Limiter, timeout_s: float
-) -> None:
+def _add_call_route(app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Limiter, timeout_s: float) -> None:
     request_model = _call_model(t)
 
     async def call(req: request_model) -> ToolResult:  # type: ignore[valid-type]
@@ -162,7 +159,9 @@ def _add_call_route(
                 await limiter.sem.acquire()
             try:
                 session = sessions.open(req.session_id) if req.session_id else None
-                return await t.run(req.arguments, session, timeout_s)
+                result = await t.run(req.arguments, session, timeout_s)
+                # already a validated model: serialise once, skipping FastAPI's re-validation of response_model
+                return Response(result.model_dump_json(), media_type="application/json")  # type: ignore[return-value]
             except OverflowError as err:
                 return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
             finally:
@@ -189,12 +188,8 @@ def _document_auth(app: FastAPI, enabled: bool) -> None:
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(
-                title=app.title, version=app.version, description=app.description, routes=app.routes
-            )
-            schema.setdefault("components", {})["securitySchemes"] = {
-                "bearer": {"type": "http", "scheme": "bearer"}
-            }
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            schema.setdefault("components", {})["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
             schema["security"] = [{"bearer": []}]
             app.openapi_schema = schema
         return app.openapi_schema
@@ -225,9 +220,7 @@ class _GuardMiddleware:
 
         try:
             if self.token is not None and scope["path"] not in OPEN_PATHS and not self._authorized(headers):
-                await _reject(
-                    send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
-                )
+                await _reject(send_wrapper, 401, "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"})
             elif _content_length(headers) > self.max_body:
                 await _reject(send_wrapper, 413, f"request body over {self.max_body} bytes")
             else:
@@ -260,9 +253,7 @@ class _GuardMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
-                if (
-                    seen[0] > self.max_body
-                ):  # chunked bodies carry no Content-Length; FastAPI turns this into 413
+                if seen[0] > self.max_body:  # chunked bodies carry no Content-Length; FastAPI turns this into 413
                     raise HTTPException(413, f"request body over {self.max_body} bytes")
             return message
 

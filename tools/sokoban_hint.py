@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from agentrl.tools.core import tool
 from pydantic import Field
+
+from agentrl.tools.core import tool
 
 MAX_STATES = 200_000
 

@@ -16,11 +16,11 @@ import time
 from typing import Any
 
 import httpx
-from agentrl.tools.client import ToolClient, ToolServerError
-from agentrl.tools.core import SessionStore, Tool, ToolResult, format_validation_error, to_content
 from pydantic import ValidationError
 
 from agentrl.config.schema import ToolsConfig, ToolSpec
+from agentrl.tools.client import ToolClient, ToolServerError
+from agentrl.tools.core import SessionStore, Tool, ToolResult, format_validation_error, to_content
 
 log = logging.getLogger(__name__)
 REMOTE_GRACE_S = 1.0  # extra client-side wait so a server can report its own timeout before we give up
@@ -36,9 +36,7 @@ def load_python_tool(path: str, name: str | None = None, timeout_s: float | None
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot load tool {path!r}: {err}") from None
     if isinstance(obj, Tool):
-        return Tool(
-            obj.fn, name=name or obj.name, description=obj.description, timeout_s=timeout_s or obj.timeout_s
-        )
+        return Tool(obj.fn, name=name or obj.name, description=obj.description, timeout_s=timeout_s or obj.timeout_s)
     if not callable(obj):
         raise ValueError(f"tool {path!r} is not callable")
     return Tool(obj, name=name, timeout_s=timeout_s)
@@ -58,9 +56,7 @@ class Toolbox:
 
     def __init__(self, max_sessions: int = 100_000) -> None:
         self.local: dict[str, Tool] = {}
-        self.remote: dict[
-            str, tuple[ToolClient, dict[str, Any], float]
-        ] = {}  # name -> (client, schema, timeout)
+        self.remote: dict[str, tuple[ToolClient, dict[str, Any], float]] = {}  # name -> (client, schema, timeout)
         self.sessions = SessionStore(max_sessions)
         self._clients: dict[tuple[str, str | None], ToolClient] = {}
         self._remote_used: dict[str, set[ToolClient]] = {}
@@ -175,10 +171,6 @@ def build_toolbox(tools_config: ToolsConfig, set_names: list[str]) -> Toolbox:
             if key not in fetched:
                 fetched[key] = _fetch_schemas(spec.url, token)
             if name not in fetched[key]:
-                raise ValueError(
-                    f"tool {name!r}: server {spec.url} does not serve it (has {sorted(fetched[key])})"
-                )
-            box.add_remote(
-                name, box.client(spec.url, token, spec.timeout_s), fetched[key][name], spec.timeout_s
-            )
+                raise ValueError(f"tool {name!r}: server {spec.url} does not serve it (has {sorted(fetched[key])})")
+            box.add_remote(name, box.client(spec.url, token, spec.timeout_s), fetched[key][name], spec.timeout_s)
     return box
