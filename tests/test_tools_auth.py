@@ -35,11 +35,13 @@ def url():
 )
 @pytest.mark.parametrize(
     ("method", "path"),
-    [("GET", "/tools"), ("POST", "/tools/calculator/call"), ("POST", "/sessions/x"), ("GET", "/openapi.json")],
+    [("GET", "/tools"), ("POST", "/tools/calculator/call"), ("POST", "/sessions/open"), ("GET", "/openapi.json")],
 )
 async def test_missing_or_wrong_token_is_401(url, headers, method, path):
     async with httpx.AsyncClient(base_url=url) as http:
-        r = await http.request(method, path, headers=headers, json={"arguments": {"expression": "1"}})
+        r = await http.request(
+            method, path, headers=headers, json={"arguments": {"expression": "1"}, "session_id": "x"}
+        )
     assert r.status_code == 401
     assert r.headers["www-authenticate"] == "Bearer"
     assert r.json() == {"detail": "missing or wrong bearer token"}

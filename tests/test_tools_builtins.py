@@ -57,7 +57,7 @@ def test_calculator_values(expr, value):
 async def test_calculator_refuses_and_stays_fast(expr, message):
     start = time.perf_counter()
     r = await calculator({"expression": expr})
-    assert time.perf_counter() - start < 1.0
+    assert time.perf_counter() - start < 2.0  # instant when idle; loose for a loaded CI box
     assert not r.ok and message in r.error
 
 
@@ -92,21 +92,21 @@ async def test_sandbox_stops_infinite_loop_at_wall_limit():
     r = await sandbox({"code": "print('start', flush=True)\nwhile True:\n    pass\n"})
     elapsed = time.perf_counter() - start
     assert "start" in r.content and "wall-time limit of 1.5s" in r.content
-    assert 1.4 < elapsed < 4.0
+    assert 1.4 < elapsed < 8.0  # stopped at the 1.5 s wall limit (upper bound loose for loaded machines)
 
 
 async def test_sandbox_kills_forked_children_too():
     code = "import os, time\nif os.fork() == 0:\n    time.sleep(60)\nelse:\n    time.sleep(60)\n"
     start = time.perf_counter()
     r = await sandbox({"code": code})
-    assert "wall-time limit" in r.content and time.perf_counter() - start < 4.0
+    assert "wall-time limit" in r.content and time.perf_counter() - start < 8.0
 
 
 async def test_sandbox_stops_memory_bomb():
     start = time.perf_counter()
     r = await sandbox({"code": "blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n"})
     assert "MemoryError" in r.content and "memory limit of 256 MiB" in r.content
-    assert time.perf_counter() - start < 4.0
+    assert time.perf_counter() - start < 8.0
     r = await sandbox({"code": "x = bytearray(8 << 30)"})
     assert "MemoryError" in r.content
 
@@ -115,7 +115,7 @@ async def test_sandbox_truncates_huge_output():
     start = time.perf_counter()
     r = await sandbox({"code": "while True:\n    print('y' * 1000)\n"})
     assert "output truncated at 2000 bytes" in r.content
-    assert len(r.content) < 2200 and time.perf_counter() - start < 4.0
+    assert len(r.content) < 2200 and time.perf_counter() - start < 8.0
 
 
 async def test_search_finds_relevant_passages():

@@ -57,8 +57,8 @@ def test_fuzz_openapi_no_server_errors():
         assert {op.label for op in operations} >= {
             "POST /tools/calculator/call",
             "POST /tools/note/call",
-            "POST /sessions/{session_id}",
-            "DELETE /sessions/{session_id}",
+            "POST /sessions/open",
+            "POST /sessions/close",
         }
         statuses: dict[int, int] = {}
         failures: list[str] = []

@@ -106,17 +106,17 @@ class ToolClient:
         return (await self._checked("GET", "/tools")).json()["tools"]
 
     async def open_session(self, session_id: str) -> None:
-        await self._checked("POST", f"/sessions/{session_id}")
+        await self._checked("POST", "/sessions/open", json={"session_id": session_id})
 
     async def close_session(self, session_id: str) -> None:
-        await self._checked("DELETE", f"/sessions/{session_id}")
+        await self._checked("POST", "/sessions/close", json={"session_id": session_id})
 
     async def health(self) -> dict[str, Any]:
         return (await self._checked("GET", "/health")).json()
 
-    async def _checked(self, method: str, path: str) -> httpx.Response:
+    async def _checked(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            resp = await self._request(method, path)
+            resp = await self._request(method, path, **kw)
         except httpx.HTTPError as err:
             raise ToolServerError(f"{method} {self.base_url}{path}: {type(err).__name__}: {err}") from err
         if resp.status_code >= 400:

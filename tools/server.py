@@ -14,9 +14,9 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Path
+from fastapi import FastAPI, HTTPException
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -25,7 +25,13 @@ from agentrl.tools.core import SessionStore, Tool, ToolResult
 
 access_log = logging.getLogger("agentrl.tools.access")
 OPEN_PATHS = frozenset({"/health"})  # liveness probes need no token; they reveal nothing but "ok"
-SESSION_ID = Path(..., min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")
+# Session ids travel in JSON bodies, never in paths: env managers use ids like "train/sokoban/3/0".
+SessionId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class SessionRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    session_id: SessionId
 
 
 @dataclass
@@ -77,7 +83,7 @@ def _call_model(t: Tool) -> type[BaseModel]:
         f"{t.name}_call",
         __config__=ConfigDict(extra="forbid"),
         arguments=arguments,
-        session_id=(str | None, Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")),
+        session_id=(SessionId | None, None),
     )
 
 
@@ -123,19 +129,19 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         known = ", ".join(by_name) or "none"
         return JSONResponse({"detail": f"unknown tool {name!r}; available tools: {known}"}, status_code=404)
 
-    @app.post("/sessions/{session_id}", responses={401: ERRORS[401], 429: ERRORS[429]})
-    async def open_session(session_id: str = SESSION_ID) -> dict[str, Any]:
+    @app.post("/sessions/open", responses={401: ERRORS[401], 413: ERRORS[413], 429: ERRORS[429]})
+    async def open_session(req: SessionRequest) -> dict[str, Any]:
         """Open per-episode state (calls with an unknown session_id open one implicitly)."""
         try:
-            sessions.open(session_id)
+            sessions.open(req.session_id)
         except OverflowError as err:
             return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
-        return {"session_id": session_id, "open": True}
+        return {"session_id": req.session_id, "open": True}
 
-    @app.delete("/sessions/{session_id}", responses={401: ERRORS[401]})
-    async def close_session(session_id: str = SESSION_ID) -> dict[str, Any]:
+    @app.post("/sessions/close", responses={401: ERRORS[401], 413: ERRORS[413]})
+    async def close_session(req: SessionRequest) -> dict[str, Any]:
         """Close an episode's state and run its cleanups; closing an unknown session is not an error."""
-        return {"session_id": session_id, "closed": await sessions.close(session_id)}
+        return {"session_id": req.session_id, "closed": await sessions.close(req.session_id)}
 
     _document_auth(app, token is not None)
     app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=limits.max_body_bytes)
