@@ -137,6 +137,7 @@ def main() -> None:
     # The same environment the engine actor gets (in-process vLLM, CPU threads), set before vLLM is imported.
     for key, value in detect().vllm_env(1).items():
         os.environ.setdefault(key, value)
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     print(json.dumps(asyncio.run(_run(args)), indent=2))
 
 
