@@ -35,6 +35,10 @@ def _cfg(num_ranks: int) -> Config:
     cfg.trainer.num_ranks = num_ranks
     cfg.trainer.micro_batch_tokens = 160  # several micro-batches per rank: exercises accumulation
     cfg.trainer.optim.lr = 1e-3
+    # Adam's first step is lr * g / (|g| + eps): with eps 1e-8 a near-zero gradient becomes a full +-lr step
+    # whose sign is fp32 rounding noise, so 1 and 2 ranks could differ by ~lr on a few weights. A larger eps
+    # keeps the update linear in small gradients and the comparison meaningful.
+    cfg.trainer.optim.eps = 1e-4
     cfg.trainer.algorithm.clip_low = 0.2
     cfg.trainer.algorithm.clip_high = 0.28
     return cfg
@@ -109,8 +113,8 @@ def test_one_vs_two_ranks_same_loss_and_weights(one_rank_run, shm, tmp_path_fact
         assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
     s1, s2 = _load(w1), _load(w2)
     assert s1.keys() == s2.keys()
-    for k in s1:  # Adam's first step is ~lr * sign(g): tiny grads turn fp32 rounding into ~1e-6 weight noise
-        torch.testing.assert_close(s1[k], s2[k], rtol=1e-4, atol=1e-5)
+    for k in s1:
+        torch.testing.assert_close(s1[k], s2[k], rtol=1e-5, atol=1e-6)
     init = _load_initial()
     assert any(not torch.equal(init[k], s1[k]) for k in s1), "the step changed no weight"
 
@@ -179,7 +183,7 @@ def test_sft_step_lowers_loss_on_demonstrations(ray_session) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
     samples = _chat_samples(tokenizer, 16)
-    cfg = _cfg(2)
+    cfg = _cfg(1)
     cfg.trainer.sft.lr = 3e-3
     group = TrainerGroup(cfg)
     try:

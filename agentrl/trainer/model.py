@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agentrl.trainer.losses import entropy_from_logits
-
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """An HF causal LM with SDPA attention (it takes the 4D block-diagonal masks of packed micro-batches)."""
@@ -66,7 +64,11 @@ def _shift_align(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward_logprobs(
-    model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False, temperature: float = 1.0
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    with_entropy: bool = False,
+    temperature: float = 1.0,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens."""
     out = model(
@@ -79,8 +81,12 @@ def forward_logprobs(
     if temperature != 1.0:
         logits = logits / temperature
     targets = batch["input_ids"][:, 1:]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    ent = _shift_align(entropy_from_logits(logits)) if with_entropy else None
+    logp_all = torch.log_softmax(logits, dim=-1)  # once: the entropy reuses it
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    ent = None
+    if with_entropy:  # a metric unless entropy_grad (entropy bonus): then it needs the graph
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = _shift_align(-(logp_all.exp() * logp_all).sum(-1))
     return _shift_align(logp), ent
 
 

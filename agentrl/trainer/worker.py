@@ -211,7 +211,7 @@ class TrainerRank:
 
     def _rl_micro_step(self, batch: dict, denom: float) -> torch.Tensor:
         alg = self.alg
-        logp, ent = forward_logprobs(self.model, batch, with_entropy=True)
+        logp, ent = forward_logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
         mask, seq = batch["loss_mask"], batch["seq_ids"]
         w = losses.token_weights(mask, seq, alg.loss_agg)
         clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
