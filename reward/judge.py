@@ -13,8 +13,10 @@ import asyncio
 import functools
 import os
 import re
+import threading
 import time
 import uuid
+import weakref
 from typing import Any
 
 from agentrl.reward.builtins import extract_answer
@@ -63,11 +65,19 @@ def build_prompt(episode: Episode, template: str, scale: float) -> str:
     )
 
 
+_TOKENIZER_LOCK = threading.Lock()  # transformers' lazy imports are not thread-safe; load one at a time
+
+
 @functools.lru_cache(maxsize=4)
-def _tokenizer(model_path: str) -> Any:
+def _load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_path)
+
+
+def _tokenizer(model_path: str) -> Any:
+    with _TOKENIZER_LOCK:
+        return _load_tokenizer(model_path)
 
 
 def _prompt_ids(model_path: str, prompt: str) -> list[int]:
@@ -96,21 +106,23 @@ async def _ask_router(router: Any, model_path: str, prompt: str, max_tokens: int
     return _tokenizer(model_path).decode(out.token_ids, skip_special_tokens=True)
 
 
-class _RateLimiter:
-    """At most `concurrency` requests in flight and `per_s` starts per second, for one URL in one event loop."""
+class _Endpoint:
+    """One remote judge URL in one event loop: a shared httpx client (made once: building one costs tens of ms
+    of blocking SSL setup), at most `concurrency` requests in flight and `per_s` request starts per second."""
 
     def __init__(self, concurrency: int, per_s: float | None) -> None:
+        import httpx
+
+        self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency))
         self.semaphore = asyncio.Semaphore(concurrency)
         self.interval = 1.0 / per_s if per_s else 0.0
         self.next_start = 0.0
-        self.lock = asyncio.Lock()
 
     async def __aenter__(self) -> None:
         await self.semaphore.acquire()
         if self.interval:
-            async with self.lock:
-                now = time.monotonic()
-                wait, self.next_start = self.next_start - now, max(now, self.next_start) + self.interval
+            now = time.monotonic()  # no await between read and write: the loop makes this atomic
+            wait, self.next_start = self.next_start - now, max(now, self.next_start) + self.interval
             if wait > 0:
                 await asyncio.sleep(wait)
 
@@ -118,21 +130,20 @@ class _RateLimiter:
         self.semaphore.release()
 
 
-_LIMITERS: dict[tuple[str, int], _RateLimiter] = {}
+# Per event loop (weakly: a closed loop's clients go with it), then per URL.
+_ENDPOINTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, _Endpoint]] = weakref.WeakKeyDictionary()
 
 
-def _limiter(url: str, concurrency: int, per_s: float | None) -> _RateLimiter:
-    key = (url, id(asyncio.get_running_loop()))
-    if key not in _LIMITERS:
-        _LIMITERS[key] = _RateLimiter(concurrency, per_s)
-    return _LIMITERS[key]
+def _endpoint(url: str, concurrency: int, per_s: float | None) -> _Endpoint:
+    per_url = _ENDPOINTS.setdefault(asyncio.get_running_loop(), {})
+    if url not in per_url:
+        per_url[url] = _Endpoint(concurrency, per_s)
+    return per_url[url]
 
 
 async def _ask_remote(
-    url: str, model: str, prompt: str, max_tokens: int, temperature: float, api_key_env: str | None, limiter: Any
+    url: str, model: str, prompt: str, max_tokens: int, temperature: float, api_key_env: str | None, endpoint: Any
 ) -> str:
-    import httpx
-
     headers = {}
     if api_key_env and os.environ.get(api_key_env):
         headers["Authorization"] = f"Bearer {os.environ[api_key_env]}"
@@ -142,8 +153,8 @@ async def _ask_remote(
         "max_tokens": max_tokens,
         "temperature": temperature,
     }
-    async with limiter, httpx.AsyncClient(timeout=None) as client:
-        response = await client.post(url.rstrip("/") + "/chat/completions", json=body, headers=headers)
+    async with endpoint:
+        response = await endpoint.client.post(url.rstrip("/") + "/chat/completions", json=body, headers=headers)
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"] or ""
 
@@ -168,8 +179,8 @@ async def model_judge(
     prompt = build_prompt(episode, template, scale)
     start = time.perf_counter()
     if url is not None:
-        limiter = _limiter(url, max_concurrency, requests_per_s)
-        reply = await _ask_remote(url, model, prompt, max_tokens, temperature, api_key_env, limiter)
+        endpoint = _endpoint(url, max_concurrency, requests_per_s)
+        reply = await _ask_remote(url, model, prompt, max_tokens, temperature, api_key_env, endpoint)
     else:
         router = context.judge_router if context is not None else None
         if router is None or model_path is None:

@@ -15,11 +15,10 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from agentrl.config.schema import RewardConfig, RewardFnSpec
 from agentrl.reward.isolation import ProcessSlots
 from agentrl.reward.registry import call_reward, resolve
 from agentrl.reward.types import Episode, FnOutput, RewardContext, RewardResult
-
-from agentrl.config.schema import RewardConfig, RewardFnSpec
 
 THREADS_PER_WORKER = 64  # sync reward functions run in threads; sleeping/IO-bound ones overlap up to this
 
