@@ -129,7 +129,7 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         known = ", ".join(by_name) or "none"
         return JSONResponse({"detail": f"unknown tool {name!r}; available tools: {known}"}, status_code=404)
 
-    @app.post("/sessions/open", responses={401: ERRORS[401], 413: ERRORS[413], 429: ERRORS[429]})
+    @app.post("/sessions/open", responses={k: ERRORS[k] for k in (400, 401, 413, 429)})
     async def open_session(req: SessionRequest) -> dict[str, Any]:
         """Open per-episode state (calls with an unknown session_id open one implicitly)."""
         try:
@@ -138,7 +138,7 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
             return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
         return {"session_id": req.session_id, "open": True}
 
-    @app.post("/sessions/close", responses={401: ERRORS[401], 413: ERRORS[413]})
+    @app.post("/sessions/close", responses={k: ERRORS[k] for k in (400, 401, 413)})
     async def close_session(req: SessionRequest) -> dict[str, Any]:
         """Close an episode's state and run its cleanups; closing an unknown session is not an error."""
         return {"session_id": req.session_id, "closed": await sessions.close(req.session_id)}
