@@ -195,3 +195,28 @@ def test_sft_step_lowers_loss_on_demonstrations(ray_session) -> None:
     assert losses[-1] < 0.7 * losses[0], losses
     mask = samples[0].loss_mask
     assert -sum(x for x, m in zip(lp, mask, strict=True) if m) / sum(mask) < losses[0]
+
+
+def test_gae_critic_reference_kl_packed_layout(ray_session, tmp_path) -> None:
+    """The other code paths on one rank: GAE critic, reference model with KL in the reward, packed micro-batches,
+    sequence-level IS weights, dual-clip, two PPO epochs; and a checkpoint round trip with the critic."""
+    cfg = _cfg(1)
+    cfg.trainer.packing = "packed"
+    alg = cfg.trainer.algorithm
+    alg.advantage, alg.kl_coef, alg.kl_in_reward, alg.is_level = "gae", 0.05, True, "sequence"
+    alg.dual_clip, alg.ppo_epochs, alg.loss_agg = 3.0, 2, "seq_mean_token_mean"
+    group = TrainerGroup(cfg)
+    try:
+        samples = _samples(8)
+        samples = _with_behaviour(samples, group.compute_logprobs(samples))
+        m = group.train_step(samples)
+        assert group.version == 2 and m["train/value_loss"] > 0
+        assert all(v == v and abs(v) < 1e6 for v in m.values()), m
+        group.save_checkpoint(str(tmp_path / "ck"))
+        after = group.train_step(samples)
+        assert group.load_checkpoint(str(tmp_path / "ck")) == 2
+        again = group.train_step(samples)
+    finally:
+        group.shutdown()
+    assert again["train/loss"] == pytest.approx(after["train/loss"], rel=1e-6, abs=1e-7)
+    assert again["train/value_loss"] == pytest.approx(after["train/value_loss"], rel=1e-6, abs=1e-7)

@@ -35,7 +35,8 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        return self.value_head(h.last_hidden_state).squeeze(-1)
+        # A fresh tensor, not a view: FSDP2 hooks the root's output for backward.
+        return self.value_head(h.last_hidden_state).squeeze(-1).clone()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
