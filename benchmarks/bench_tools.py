@@ -11,7 +11,8 @@ Load comes from a minimal keep-alive HTTP/1.1 client on raw asyncio sockets (one
 client, closed loop): httpx costs ~10x more CPU per request than uvicorn does and would measure itself, not
 the server. The load generator shares the machine's cores with the server, so absolute numbers are a floor;
 the ratio (tool / bare, same run, interleaved rounds) is the number to read. `via_toolclient` adds the real
-`ToolClient` (httpx) at 1 and 64 clients: what an env manager sees end to end.
+`ToolClient` (httpx) at 1 and 64 clients: what an env manager sees end to end. `in_process_asgi_cpu_per_call`
+calls both apps directly (no sockets): server CPU per call, the figure least disturbed by a busy machine.
 """
 
 import argparse
@@ -147,6 +148,42 @@ async def _via_toolclient(port: int, concurrency: int, seconds: float) -> dict:
     return _summary(lat, seconds, errors[0])
 
 
+async def _asgi_us_per_call(app: Any, path: str, body: bytes, headers: list, n: int = 400) -> float:
+    """Server CPU per call with no sockets at all: the app called directly as ASGI (stable on a busy box)."""
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
+    }  # fmt: skip
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start" and message["status"] != 200:
+            raise RuntimeError(f"{path}: status {message['status']}")
+
+    t0 = time.perf_counter()
+    for _ in range(n):
+        await app(dict(scope), receive, send)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+async def _asgi_compare(batches: int = 10) -> dict:
+    bare, tool_app = _bare_app(), _tool_app()
+    auth = [(b"authorization", f"Bearer {TOKEN}".encode())]
+    xs, ys = [], []
+    for _ in range(batches):  # interleaved; the minimum is the least disturbed by other processes
+        xs.append(await _asgi_us_per_call(bare, "/echo", b'{"text": "hi"}', []))
+        ys.append(await _asgi_us_per_call(tool_app, "/tools/echo/call", b'{"arguments": {"text": "hi"}}', auth))
+    return {
+        "bare_us": round(min(xs), 1),
+        "tool_us": round(min(ys), 1),
+        "ratio_bare_over_tool": round(min(xs) / min(ys), 3),
+    }
+
+
 # ---------------------------------------------------------------- orchestration
 
 
@@ -197,6 +234,7 @@ def main() -> None:
         loop_factory = uvloop.new_event_loop
     except ImportError:
         loop_factory = asyncio.new_event_loop
+    asgi = asyncio.run(_asgi_compare())
     servers = {kind: _start(kind) for kind in ("bare", "tool")}
     try:
         results = {}
@@ -235,6 +273,7 @@ def main() -> None:
                 "rounds": args.rounds,
                 "by_concurrency": results,
                 "via_toolclient_by_concurrency": via,
+                "in_process_asgi_cpu_per_call": asgi,
                 "machine": {"cpus": os.cpu_count(), "python": platform.python_version()},
                 "targets": {"throughput_ratio": 0.8, "p99_ms_at_256": 10.0},
             },
