@@ -10,9 +10,7 @@ from agentrl.cli import UsageError
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve-tools", parents=[common], help="serve tools over HTTP (FastAPI + uvicorn)")
-    p.add_argument(
-        "tools_file", metavar="TOOLS.yaml", help="a tools: section (sets -> name -> python: mod:fn)"
-    )
+    p.add_argument("tools_file", metavar="TOOLS.yaml", help="a tools: section (sets -> name -> python: mod:fn)")
     p.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs --token-env")
     p.add_argument("--port", type=int, default=8808)
     p.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token")
