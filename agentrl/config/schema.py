@@ -182,6 +182,7 @@ class TrainerConfig(Section):
 class AsyncConfig(Section):
     max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
     partial_rollout: bool = Field(False, description="abort in-flight generations at weight updates and resume")
+    drop_zero_variance_groups: bool = Field(False, description="DAPO-style filter: drop groups with equal returns")
 
 
 class ValidationConfig(Section):
@@ -208,6 +209,7 @@ class CheckpointConfig(Section):
 class Config(Section):
     name: str = "agentrl"
     seed: int = 0
+    ray_address: str | None = Field(None, description="None = start local Ray; 'auto' or host:port = join a cluster")
     model: ModelConfig = Field(default_factory=ModelConfig)
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)

@@ -186,6 +186,8 @@ class EpisodeRunner:
                 if calls:
                     pending = await self._run_tools(box, calls, spec, result, turn, calls_left)
                     calls_left -= turn.tool_calls
+                    if hasattr(env, "observe_tool_results"):  # envs that track what the tools returned
+                        await self._off_loop(env.observe_tool_results, [m["content"] for m in pending])
                 else:
                     t0 = time.perf_counter()
                     obs, reward, terminated, truncated, info = await self._off_loop(env.step, text)

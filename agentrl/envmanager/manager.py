@@ -134,9 +134,18 @@ class EnvManager:
         """Env return plus the configured reward functions; None (counted, sample dropped) if a reward is missing."""
         if self.reward_pool is None or not self.cfg.reward.functions:
             return ep.env_return * self.cfg.reward.env_reward_weight
-        from agentrl.reward import combine, episode_from_result
+        from agentrl.reward import Episode, combine
 
-        result = await self.reward_pool.score(episode_from_result(ep))
+        episode = Episode(
+            messages=ep.messages,
+            env_id=ep.spec.env_id,
+            env_info=ep.info,
+            task=dict(ep.info.get("task") or {}),
+            num_model_tokens=sum(ep.loss_mask),
+            max_model_tokens=self.cfg.envs.max_tokens_per_turn * max(1, len(ep.turns)),
+            episode_id=ep.spec.episode_id,
+        )
+        result = await self.reward_pool.score(episode)
         total = combine(ep.env_return, result, self.cfg.reward)
         if total is None:
             self.counters["missing_reward"] += 1

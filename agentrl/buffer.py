@@ -1,0 +1,127 @@
+"""The async sample queue between rollout and training, with staleness bounded by admission control.
+
+AReaL's rule, written once: an episode may start only while
+
+    started_episodes + new <= (max_staleness + trainer_version + 1) * batch_episodes
+
+so no trained sample is more than `max_staleness` versions older than the policy being trained, and finished
+work is never thrown away for being slow. max_staleness=0 is synchronous on-policy RL: the next batch cannot
+start until the trainer has produced the version it will be sampled from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.envmanager.manager import GroupResult
+from agentrl.types import Sample
+
+
+def admission_limit(max_staleness: int, trainer_version: int, batch_episodes: int) -> int:
+    """Episodes that may have been started in total while the trainer is at `trainer_version`."""
+    return (max_staleness + trainer_version + 1) * batch_episodes
+
+
+@dataclass
+class BufferStats:
+    groups_in: int = 0
+    groups_filtered: int = 0
+    episodes_failed: int = 0
+    rewards_missing: int = 0
+    rollout_blocked_s: float = 0.0  # time the producer waited on admission with nothing in flight
+    trainer_wait_s: float = 0.0
+    group_metrics: list[dict[str, float]] = field(default_factory=list)
+
+
+class SampleBuffer:
+    """Groups in, batches out (oldest first). Lives on the driver's event loop next to the producer."""
+
+    def __init__(
+        self,
+        batch_groups: int,
+        batch_episodes: int,
+        max_staleness: int,
+        drop_zero_variance: bool = False,
+        start_version: int = 0,
+        started_episodes: int | None = None,
+    ):
+        self.batch_groups = batch_groups
+        self.batch_episodes = batch_episodes
+        self.max_staleness = max_staleness
+        self.drop_zero_variance = drop_zero_variance
+        self.version = start_version
+        # On resume, count the batches already consumed as started so the formula stays the same.
+        self.started = start_version * batch_episodes if started_episodes is None else started_episodes
+        self.in_flight = 0
+        self._ready: deque[GroupResult] = deque()
+        self._changed = asyncio.Condition()
+        self.stats = BufferStats()
+
+    # ---- producer side ---------------------------------------------------------------------------------------
+    def can_start(self, episodes: int) -> bool:
+        return self.started + episodes <= admission_limit(self.max_staleness, self.version, self.batch_episodes)
+
+    async def admit(self, episodes: int) -> None:
+        """Wait until `episodes` more may start under the staleness bound, then count them as started."""
+        async with self._changed:
+            t0 = time.perf_counter()
+            idle = self.in_flight == 0
+            await self._changed.wait_for(lambda: self.can_start(episodes))
+            if idle:
+                self.stats.rollout_blocked_s += time.perf_counter() - t0
+            self.started += episodes
+            self.in_flight += episodes
+
+    async def put(self, group: GroupResult, planned_episodes: int) -> None:
+        async with self._changed:
+            self.in_flight -= planned_episodes
+            self.stats.groups_in += 1
+            self.stats.episodes_failed += len(group.failures)
+            self.stats.rewards_missing += len(group.missing_rewards)
+            keep = bool(group.samples)
+            if keep and self.drop_zero_variance:
+                returns = {s.episode_id: s.reward for s in group.samples}
+                keep = len(set(returns.values())) > 1
+            if keep:
+                self._ready.append(group)
+            else:
+                # Filtered or empty: give its admission back so a replacement group can start.
+                self.stats.groups_filtered += 1
+                self.started -= planned_episodes
+            self._changed.notify_all()
+
+    # ---- trainer side ----------------------------------------------------------------------------------------
+    async def get_batch(self) -> list[GroupResult]:
+        """The oldest `batch_groups` finished groups."""
+        async with self._changed:
+            t0 = time.perf_counter()
+            await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups)
+            self.stats.trainer_wait_s += time.perf_counter() - t0
+            return [self._ready.popleft() for _ in range(self.batch_groups)]
+
+    async def set_version(self, version: int) -> None:
+        async with self._changed:
+            self.version = version
+            self._changed.notify_all()
+
+    def ready_groups(self) -> int:
+        return len(self._ready)
+
+    # ---- checkpointing ---------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """Finished groups still queued and the admission counters (in-flight groups are re-run on resume)."""
+        return {"ready": list(self._ready), "started": self.started - self.in_flight, "version": self.version}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self._ready = deque(state["ready"])
+        self.started = state["started"]
+        self.version = state["version"]
+
+
+def staleness(samples: list[Sample], trainer_version: int) -> list[int]:
+    """Versions between the policy being trained and the oldest token of each sample."""
+    return [trainer_version - min(s.policy_versions, default=trainer_version) for s in samples]

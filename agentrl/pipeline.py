@@ -1,0 +1,240 @@
+"""`agentrl train`: the whole RL loop on one screen.
+
+    warm start (SFT on expert demos) -> validate
+    producer:  while admitted by the staleness bound: env managers roll out a group -> buffer
+    trainer:   batch = buffer.get_batch(); train_step; export weights; engines.update_weights; log; validate; save
+
+Every mode is this code with two parameters: async.max_staleness (0 = synchronous, 1 = one-step-off, k = fully
+async) and async.partial_rollout (weight updates preempt in-flight generations, which resume on the new weights;
+without it, updates wait for in-flight generations to finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentrl.buffer import SampleBuffer
+from agentrl.config import Config, dump_yaml
+from agentrl.envmanager.manager import EnvManager, GroupResult
+from agentrl.metrics import MetricsSink
+from agentrl.models.tiny import resolve_model_path
+from agentrl.platform import configure_cpu_threads, worker_env
+from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.run_state import RunState, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
+from agentrl.step_metrics import batch_metrics, validation_metrics
+from agentrl.trainer import TrainerGroup
+
+
+class Pipeline:
+    def __init__(self, cfg: Config, run_dir: Path):
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.trainer = TrainerGroup(cfg, self.model_path)
+        self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
+        self.router = start_router(self.engines, cfg.rollout)
+        self.reward_pool = self._reward_pool()
+        manager_cls = ray.remote(EnvManager).options(
+            max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()}
+        )
+        self.managers = [
+            manager_cls.remote(cfg, self.model_path, self.router, self.reward_pool, i)
+            for i in range(cfg.envs.num_managers)
+        ]
+        train = cfg.envs.train
+        self.group_sizes = {tag: spec.group_size for tag, spec in train.items()}
+        self.buffer = SampleBuffer(
+            batch_groups=sum(s.groups_per_batch for s in train.values()),
+            batch_episodes=sum(s.groups_per_batch * s.group_size for s in train.values()),
+            max_staleness=cfg.async_.max_staleness,
+            drop_zero_variance=cfg.async_.drop_zero_variance_groups,
+        )
+        self.state = RunState(schedule=TaskSchedule.for_envs(train))
+        self.in_flight: dict[int, tuple[str, int]] = {}
+        self.tasks: set[asyncio.Future] = set()
+        self.sink = MetricsSink(
+            run_dir,
+            cfg.logging.console,
+            cfg.logging.jsonl,
+            cfg.logging.tensorboard,
+            cfg.logging.trackers,
+            cfg.logging.project,
+            cfg.name,
+            cfg.model_dump(mode="json", by_alias=True),
+        )
+        self.weights_root = Path("/dev/shm" if Path("/dev/shm").is_dir() else run_dir) / f"agentrl-{cfg.name}-weights"
+
+    def _reward_pool(self) -> Any:
+        if not self.cfg.reward.functions:
+            return None
+        from agentrl.reward import RewardPool
+
+        return RewardPool(self.cfg.reward, judge_router=self.router)
+
+    # ---- rollout side ----------------------------------------------------------------------------------------
+    async def produce(self) -> None:
+        """Start groups for as long as the staleness bound admits them; never waits on the trainer directly."""
+        for tag, seed in self.state.take_resumed():
+            await self._start_group(tag, seed)
+        while True:
+            tag, seed = self.state.schedule.next()
+            await self._start_group(tag, seed)
+
+    async def _start_group(self, tag: str, seed: int) -> None:
+        size = self.group_sizes[tag]
+        await self.buffer.admit(size)
+        key = self.state.next_group_key()
+        self.in_flight[key] = (tag, seed)
+        manager = self.managers[key % len(self.managers)]
+        self.tasks.add(asyncio.ensure_future(self._run_group(manager, key, tag, seed, size)))
+
+    async def _run_group(self, manager: Any, key: int, tag: str, seed: int, size: int) -> None:
+        try:
+            result = await manager.run_group.remote(tag, seed)
+        except Exception as err:  # a dead manager or engine fleet: count it, keep going
+            result = GroupResult(tag=tag, seed=seed, split="train", failures=[f"group {tag}/{seed}: {err}"])
+        self.in_flight.pop(key, None)
+        await self.buffer.put(result, size)
+        self.tasks = {t for t in self.tasks if not t.done()}
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+    async def sync_weights(self, version: int) -> float:
+        t0 = time.perf_counter()
+        path = str(self.weights_root / f"v{version}")
+        await asyncio.to_thread(self.trainer.export_weights, path)
+        drain = "abort" if self.cfg.async_.partial_rollout else "wait"
+        await self.router.update_weights.remote(path, version, drain)
+        for old in self.weights_root.glob("v*"):
+            if old.name != f"v{version}":
+                shutil.rmtree(old, ignore_errors=True)
+        await self.buffer.set_version(version)
+        return time.perf_counter() - t0
+
+    # ---- validation / warm start -----------------------------------------------------------------------------
+    async def validate(self) -> dict[str, float]:
+        v = self.cfg.validation
+        jobs = [
+            self.managers[i % len(self.managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, "val", 1)
+            for tag, spec in self.cfg.envs.val.items()
+            for i in range(v.episodes_per_tag)
+        ]
+        return validation_metrics(list(await asyncio.gather(*jobs))) if jobs else {}
+
+    async def warm_start(self) -> dict[str, float]:
+        from transformers import AutoTokenizer
+
+        from agentrl.warmstart import expert_samples
+
+        sft = self.cfg.trainer.sft
+        tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer or self.model_path)
+        demos = await asyncio.to_thread(expert_samples, self.cfg, tokenizer, sft.episodes)
+        t0, metrics = time.perf_counter(), {}
+        for step in range(sft.steps):
+            start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
+            metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
+        return {**metrics, "sft/seconds": time.perf_counter() - t0, "sft/samples": len(demos)}
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    async def run(self, resume_from: Path | None) -> dict[str, float]:
+        cfg, state = self.cfg, self.state
+        if resume_from is not None:
+            state = self.state = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
+            await self.sync_weights(self.trainer.version)
+        elif cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
+            self.sink.log(0, await self.warm_start())
+            await self.sync_weights(self.trainer.version)
+            self.buffer.started = self.trainer.version * self.buffer.batch_episodes
+        version0 = self.trainer.version
+        self.buffer.version = version0
+        if cfg.validation.every_steps and cfg.envs.val and resume_from is None:
+            state.first_val = await self.validate()
+            self.sink.log(state.step, state.first_val)
+        producer = asyncio.ensure_future(self.produce())
+        last_val: dict[str, float] = {}
+        try:
+            while state.step < cfg.trainer.total_steps:
+                t_step = time.perf_counter()
+                blocked0 = self.buffer.stats.rollout_blocked_s
+                groups = await self.buffer.get_batch()
+                t_batch = time.perf_counter() - t_step
+                samples = [s for g in groups for s in g.samples]
+                self._record_trained(state.step + 1, groups)
+                metrics = batch_metrics(groups, samples, self.trainer.version)
+                t0 = time.perf_counter()
+                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
+                metrics["timing/train"] = time.perf_counter() - t0
+                metrics["timing/weight_sync"] = await self.sync_weights(self.trainer.version)
+                state.step += 1
+                if cfg.validation.every_steps and cfg.envs.val and state.step % cfg.validation.every_steps == 0:
+                    last_val = await self.validate()
+                    metrics.update(last_val)
+                if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+                    await self.save()
+                wall = time.perf_counter() - t_step
+                tokens = sum(s.num_model_tokens for s in samples)
+                metrics.update({
+                    "timing/rollout": t_batch,
+                    "timing/step": wall,
+                    "idle/trainer": t_batch / wall,
+                    "idle/rollout": (self.buffer.stats.rollout_blocked_s - blocked0) / wall,
+                    "throughput/tokens_per_s": tokens / wall,
+                    "throughput/samples_per_s": len(samples) / wall,
+                    "train/samples": float(len(samples)),
+                })  # fmt: skip
+                self.sink.log(state.step, metrics)
+        finally:
+            producer.cancel()
+        if cfg.validation.every_steps and cfg.envs.val and cfg.trainer.total_steps % cfg.validation.every_steps:
+            last_val = await self.validate()
+            self.sink.log(state.step, last_val)
+        await self.save()
+        return {"first": state.first_val, "last": last_val}
+
+    def _record_trained(self, step: int, groups: list[GroupResult]) -> None:
+        """Which task groups each step trained on (resume tests read it; handy to audit a run)."""
+        with (self.run_dir / "trained_groups.jsonl").open("a") as f:
+            f.write(json.dumps({"step": step, "groups": [f"{g.tag}/{g.seed}" for g in groups]}) + "\n")
+
+    async def save(self) -> Path:
+        pending = list(self.in_flight.values())
+        return await asyncio.to_thread(
+            save_run_state, self.run_dir, self.state, self.trainer, self.buffer, pending, self.cfg.checkpoint.keep_last
+        )
+
+    def close(self) -> None:
+        self.sink.close()
+        self.trainer.shutdown()
+        for handle in [*self.managers, self.router, *self.engines]:
+            ray.kill(handle)
+        shutil.rmtree(self.weights_root, ignore_errors=True)
+
+
+def train(cfg: Config, resume: str | None = None) -> int:
+    """Run (or resume) a training run; prints held-out success before and after RL."""
+    configure_cpu_threads(1)
+    run_dir = Path(resume or cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))
+    resume_from = latest_checkpoint(run_dir) if (resume or cfg.checkpoint.resume == "auto") else None
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    pipeline = Pipeline(cfg, run_dir)
+    try:
+        result = asyncio.run(pipeline.run(resume_from))
+    finally:
+        pipeline.close()
+    first, last = result["first"], result["last"]
+    if "val/success" in last:
+        before = f"{first['val/success']:.3f}" if "val/success" in first else "n/a"
+        print(f"held-out success: before RL {before}, after RL {last['val/success']:.3f}")
+    from agentrl.plotting import plot_run
+
+    print(f"run dir: {run_dir}  plot: {plot_run(run_dir)}")
+    return 0
