@@ -26,3 +26,17 @@ def test_jsonl_and_tensorboard(tmp_path):
 def test_missing_tracker_is_a_clear_error(tmp_path):
     with pytest.raises(RuntimeError, match=r"not installed: pip install agentrl\[tracking\]"):
         MetricsSink(tmp_path, console=False, jsonl=False, tensorboard=False, trackers=["swanlab"])
+
+
+def test_plot_command_writes_png(tmp_path):
+    import subprocess
+    import sys
+
+    sink = MetricsSink(tmp_path, console=False, jsonl=True, tensorboard=False)
+    for step in range(1, 4):
+        sink.log(step, {"val/success": 0.1 * step, "episode/success": 0.2, "idle/trainer": 0.05})
+    sink.close()
+    res = subprocess.run([sys.executable, "-m", "agentrl", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    png = tmp_path / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

@@ -13,7 +13,7 @@ import sys
 from agentrl.config import ConfigError
 
 # Modules under agentrl.cli that add commands, in the order `agentrl --help` lists them.
-COMMAND_MODULES = ["train_cmd", "config_cmd", "model_cmd", "envs_cmd", "tools_cmd", "export_cmd"]
+COMMAND_MODULES = ["train_cmd", "rollout_cmd", "config_cmd", "model_cmd", "envs_cmd", "tools_cmd", "export_cmd"]
 
 
 class UsageError(Exception):

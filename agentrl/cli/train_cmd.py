@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 
 from agentrl.config import load_config
 
@@ -17,12 +16,6 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    if importlib.util.find_spec("agentrl.pipeline") is not None:
-        from agentrl.pipeline import train
+    from agentrl.pipeline import train
 
-        return train(cfg, resume=args.resume)
-    # Until the pipeline lands, run the parts that exist so the command is useful and honest.
-    from agentrl.smoke import run_smoke
-
-    return run_smoke(cfg)
+    return train(load_config(args.config, args.overrides), resume=args.resume)

@@ -1,0 +1,104 @@
+"""`agentrl rollout`, `agentrl eval` and `agentrl plot`: look at what a model does, without training."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from pathlib import Path
+
+from agentrl.config import load_config
+
+
+def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("rollout", parents=[common], help="collect episodes with the configured model (no training)")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*")
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--out", default="trajectories.jsonl")
+    p.add_argument("--split", choices=["train", "val"], default="train")
+    p.set_defaults(func=_rollout)
+    e = sub.add_parser("eval", parents=[common], help="held-out success and return per env tag")
+    e.add_argument("config")
+    e.add_argument("overrides", nargs="*")
+    e.add_argument("--checkpoint", help="a Hugging Face model dir (e.g. from `agentrl export`)")
+    e.set_defaults(func=_eval)
+    pl = sub.add_parser("plot", parents=[common], help="write PNG curves of a run's metrics")
+    pl.add_argument("run_dir")
+    pl.set_defaults(func=_plot)
+
+
+def _fleet(cfg, model_path: str):
+    import ray
+
+    from agentrl.envmanager.manager import EnvManager
+    from agentrl.rollout.fleet import start_engines, start_router
+
+    if not ray.is_initialized():
+        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)
+    router = start_router(engines, cfg.rollout)
+    manager = ray.remote(EnvManager).options(max_concurrency=100_000).remote(cfg, model_path, router)
+    return manager
+
+
+def _rollout(args: argparse.Namespace) -> int:
+    from agentrl.envmanager.episode import EpisodeSpec
+    from agentrl.envmanager.manager import sampling_params
+    from agentrl.models.tiny import resolve_model_path
+
+    cfg = load_config(args.config, args.overrides)
+    manager = _fleet(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    envs = cfg.envs.val if args.split == "val" else cfg.envs.train
+    sampling = sampling_params(cfg.rollout.val_sampling if args.split == "val" else cfg.rollout.sampling)
+    tags = list(envs.items())
+    specs = []
+    for i in range(args.episodes):
+        tag, env = tags[i % len(tags)]
+        seed = env.seed_start + i
+        specs.append(
+            EpisodeSpec(env.env_id, seed, tag, f"{tag}/{seed}", f"rollout/{tag}/{seed}", dict(env.kwargs),
+                        env.max_turns, list(env.tools), sampling)
+        )  # fmt: skip
+
+    async def collect():
+        return await asyncio.gather(*(manager.run_episode.remote(s) for s in specs))
+
+    episodes = asyncio.run(collect())
+    with Path(args.out).open("w") as f:
+        for ep in episodes:
+            ep["spec"] = {k: v for k, v in ep["spec"].items() if k != "sampling"}
+            f.write(json.dumps(ep, default=str) + "\n")
+    ok = [e for e in episodes if e["error"] is None]
+    success = sum(e["metrics"].get("success", 0.0) for e in ok) / max(len(ok), 1)
+    print(f"wrote {len(episodes)} episodes to {args.out}: success {success:.3f}, failed {len(episodes) - len(ok)}")
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from agentrl.models.tiny import resolve_model_path
+    from agentrl.step_metrics import validation_metrics
+
+    cfg = load_config(args.config, args.overrides)
+    manager = _fleet(cfg, args.checkpoint or resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    v = cfg.validation
+    envs = cfg.envs.val or cfg.envs.train
+
+    async def run():
+        jobs = [
+            manager.run_group.remote(tag, v.seed_start + spec.seed_start + i, "val" if cfg.envs.val else "train", 1)
+            for tag, spec in envs.items()
+            for i in range(v.episodes_per_tag)
+        ]
+        return validation_metrics(list(await asyncio.gather(*jobs)))
+
+    for key, value in sorted(asyncio.run(run()).items()):
+        print(f"{key}: {value:.4f}")
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from agentrl.plotting import plot_run
+
+    print(plot_run(args.run_dir))
+    return 0
