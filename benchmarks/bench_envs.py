@@ -16,9 +16,8 @@ import random
 import statistics
 import time
 
-from agentrl.envs.sokoban import generate_level
-
 import agentrl
+from agentrl.envs.sokoban import generate_level
 
 PRESETS = ("agentrl/SimpleSokoban-v0", "agentrl/LargerSokoban-v0")
 

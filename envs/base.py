@@ -12,13 +12,14 @@ import string
 from typing import Any, NamedTuple
 
 import gymnasium as gym
+from gymnasium import spaces
+
 from agentrl.envs.parsing import (
     DEFAULT_ANSWER_FORMAT,
     DEFAULT_ANSWER_PATTERN,
     DEFAULT_SEPARATOR,
     AnswerParser,
 )
-from gymnasium import spaces
 
 # Observations and actions are free text; gymnasium's Text space needs an explicit character set.
 TEXT_CHARSET = string.printable + "√"

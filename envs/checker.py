@@ -13,9 +13,10 @@ import warnings
 from typing import Any
 
 import gymnasium as gym
+from gymnasium.utils.env_checker import check_env
+
 from agentrl.envs.base import REQUIRED_METRICS, TextEnv
 from agentrl.envs.registry import make_env
-from gymnasium.utils.env_checker import check_env
 
 UNPARSABLE = "I am not sure what to do."
 MAX_TURNS_CAP = 10_000

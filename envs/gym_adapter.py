@@ -10,6 +10,7 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+
 from agentrl.envs.base import Move, TextEnv
 from agentrl.envs.parsing import DEFAULT_ANSWER_FORMAT
 

@@ -12,8 +12,9 @@ import typing
 from typing import Any
 
 import gymnasium as gym
-from agentrl.envs.base import TextEnv
 from gymnasium.envs.registration import EnvSpec, load_env_creator
+
+from agentrl.envs.base import TextEnv
 
 _REGISTERED: list[str] = []  # ids registered through register_env, in order
 

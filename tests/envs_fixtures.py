@@ -6,9 +6,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from agentrl.envs import Move, TextEnv
-
 import agentrl
+from agentrl.envs import Move, TextEnv
 
 
 class CountToEnv(TextEnv):

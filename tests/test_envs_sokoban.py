@@ -6,11 +6,11 @@ import random
 
 import gymnasium as gym
 import pytest
-from agentrl.envs.sokoban import SYMBOL_SETS, parse_grid, render, solve
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import agentrl
+from agentrl.envs.sokoban import SYMBOL_SETS, parse_grid, render, solve
 
 
 def make(**kwargs):

@@ -10,9 +10,9 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from agentrl.envs.sokoban import SokobanState, generate_level
 
 import agentrl
+from agentrl.envs.sokoban import SokobanState, generate_level
 
 PRESETS = {"agentrl/SimpleSokoban-v0": (6, 6, 1), "agentrl/LargerSokoban-v0": (8, 8, 2)}
 

@@ -8,10 +8,10 @@ import warnings
 
 import gymnasium as gym
 import pytest
-from agentrl.envs import AnswerParser, GymTextAdapter, TextEnv, UnknownEnvError, registered_env_ids
 from gymnasium.utils.env_checker import check_env
 
 import agentrl
+from agentrl.envs import AnswerParser, GymTextAdapter, TextEnv, UnknownEnvError, registered_env_ids
 
 BUILTIN = [
     "agentrl/Sokoban-v0",

@@ -64,8 +64,9 @@ def _base_corpus(rng: random.Random) -> list[str]:
 def _env_corpus(seed: int) -> list[str]:
     """Text the registered agentrl envs produce (prompts, observations, answers), when envs provide it."""
     try:
-        import agentrl.envs  # noqa: F401  (registers the built-in envs)
         import gymnasium as gym
+
+        import agentrl.envs  # noqa: F401  (registers the built-in envs)
     except Exception:
         return []
     texts: list[str] = []
