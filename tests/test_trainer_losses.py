@@ -122,7 +122,7 @@ def test_masked_tokens_contribute_nothing() -> None:
     mask = _t(1, 0, 1)
     a, _ = L.ppo_clip_loss(logp, _t(-1.2, -2.0, -2.5), _t(1.0, 1.0, -1.0), mask, 2)
     b, _ = L.ppo_clip_loss(logp, _t(-1.2, 7.0, -2.5), _t(1.0, -50.0, -1.0), mask, 2)
-    assert float(a.detach()) == float(b)
+    assert float(a.detach()) == float(b.detach())
     a.backward()
     assert logp.grad[0, 1] == 0.0
     assert float(L.sft_loss(torch.tensor([[-1.0, -99.0]]), _t(1, 0), 1)) == 1.0

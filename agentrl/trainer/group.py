@@ -7,7 +7,6 @@ every rank; the other ranks' refs are kept and checked at the next call so a fai
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import ray
@@ -16,19 +15,6 @@ from agentrl.config.schema import Config
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import detect, worker_env
 from agentrl.types import Sample
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _node_ip() -> str:
-    try:
-        return ray.util.get_node_ip_address()
-    except Exception:
-        return "127.0.0.1"
 
 
 class TrainerGroup:
@@ -45,14 +31,14 @@ class TrainerGroup:
         plat = detect()
         opts = plat.ray_actor_options(1.0)
         env = {**worker_env(), **({"AGENTRL_PLATFORM": plat.kind} if plat.kind == "cpu" else {})}
-        # Rendezvous on the driver's node (single-node on CPU; on a cluster rank 0 shares the driver's node).
-        addr, port = (_node_ip() if n > 1 else "127.0.0.1"), _free_port()
         cls = ray.remote(TrainerRank).options(**opts, runtime_env={"env_vars": env})
         cfg_dict = cfg.model_dump(by_alias=True)
-        self.ranks = [cls.remote(cfg_dict, path, r, n, addr, port) for r in range(n)]
+        self.ranks = [cls.remote(cfg_dict, path, r, n) for r in range(n)]
         self._pending: list[ray.ObjectRef] = []
         self._version = 0
-        ray.get([a.get_version.remote() for a in self.ranks])  # surface start-up errors here
+        # Rank 0 hosts the rendezvous, wherever Ray placed it (multi-node safe).
+        addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        ray.get([a.setup.remote(addr, port) for a in self.ranks])  # surface start-up errors here
 
     # ---- plumbing ------------------------------------------------------------------------------------------
 

@@ -30,7 +30,19 @@ METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "t
 
 
 class TrainerRank:
-    def __init__(self, cfg: dict, model_path: str, rank: int, world_size: int, addr: str, port: int) -> None:
+    @staticmethod
+    def rendezvous_address() -> tuple[str, int]:
+        """This node's IP and a free port: rank 0 hosts the process group's TCP store (multi-node safe)."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def __init__(self, cfg: dict, model_path: str, rank: int, world_size: int) -> None:
         self.cfg = Config.model_validate(cfg)
         self.tc = self.cfg.trainer
         self.alg = self.tc.algorithm
@@ -42,7 +54,14 @@ class TrainerRank:
         self.device = plat.torch_device(0)
         if plat.kind == "cuda":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size)
+        self.plat = plat
+
+    def setup(self, addr: str, port: int) -> int:
+        """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
+        plat, model_path = self.plat, self.model_path
+        dist.init_process_group(
+            plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
+        )
         torch.manual_seed(self.cfg.seed)
         dtype = torch.float32  # master weights; accelerators could add an FSDP2 MixedPrecisionPolicy
         self.model = apply_fsdp2(load_causal_lm(model_path, dtype, self.device))
@@ -61,6 +80,7 @@ class TrainerRank:
         self.sft_opt = None
         self.version = 0  # policy version = optimizer steps taken (RL and SFT)
         self.step = 0  # RL train_step calls
+        return self.version
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
