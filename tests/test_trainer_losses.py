@@ -182,3 +182,10 @@ def test_lr_schedule() -> None:
     assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5)
     assert lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0)
+
+
+def test_export_cli_rejects_non_checkpoint(tmp_path, capsys) -> None:
+    from agentrl.cli import main
+
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "not an agentrl trainer checkpoint" in capsys.readouterr().err
