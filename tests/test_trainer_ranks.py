@@ -22,14 +22,6 @@ from agentrl.trainer import TrainerGroup  # noqa: E402
 from agentrl.types import Sample  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    if not ray.is_initialized():
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
 def _cfg(num_ranks: int) -> Config:
     cfg = Config()
     cfg.trainer.num_ranks = num_ranks
