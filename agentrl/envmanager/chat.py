@@ -17,9 +17,11 @@ class ChatTokens:
         self.tok = tokenizer
         self.tools = tools or None
         self.eos_ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-        # What the template writes after an assistant's content, e.g. "<|im_end|>\n".
-        closed = self._render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}])
-        self._turn_tail = closed[closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
+        # A conversation closed after a placeholder assistant turn; what the template writes after the assistant's
+        # content (e.g. "<|im_end|>\n") is the turn tail.
+        self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
+        self._closed = self._render(self._base)
+        self._turn_tail = self._closed[self._closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         self._eos_text = tokenizer.eos_token or ""
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -37,15 +39,13 @@ class ChatTokens:
     def delta_ids(self, new_messages: list[dict], model_ended_with_eos: bool) -> list[int]:
         """Tokens to append after a model turn so the history equals the template render of the conversation
         plus `new_messages` and the next generation prompt."""
-        base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        closed = self._render(base)
-        extended = self._render(base + new_messages, generation_prompt=True)
-        if not extended.startswith(closed):
+        extended = self._render(self._base + new_messages, generation_prompt=True)
+        if not extended.startswith(self._closed):
             raise ValueError("chat template is not prefix-stable; cannot append messages as deltas")
         tail = self._turn_tail
         if model_ended_with_eos and self._eos_text and tail.startswith(self._eos_text):
             tail = tail[len(self._eos_text) :]
-        return self.encode(tail + extended[len(closed) :])
+        return self.encode(tail + extended[len(self._closed) :])
 
     def model_text(self, token_ids: list[int]) -> str:
         """What the model said, without its end-of-turn token: the text an env or tool parser reads."""
