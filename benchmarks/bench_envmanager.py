@@ -3,7 +3,8 @@
 A scripted engine (replays the BFS expert's answer as tokens after a fixed `--engine-ms` delay, standing in for a
 real generation) drives real SimpleSokoban envs through the real EpisodeRunner: token-exact history, chat-template
 deltas, thread-pool env steps. Overhead per turn = wall per turn - time inside the engine call - env.step time,
-measured with one episode at a time; a second run drives 256 episodes concurrently and reports turns/s. Target: overhead <= 5%.
+measured with one episode at a time; a second run drives 256 episodes concurrently and reports turns/s.
+Target: overhead <= 5%.
 """
 
 from __future__ import annotations
