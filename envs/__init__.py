@@ -2,7 +2,8 @@
 
 Built-in ids: agentrl/Sokoban-v0 (settings as kwargs), agentrl/SimpleSokoban-v0 (6x6, 1 box: the default
 training env), agentrl/LargerSokoban-v0 (8x8, 2 boxes), agentrl/FrozenLake-v0, agentrl/GuessNumber-v0
-(information gathered over turns) and agentrl/GymFrozenLakeText-v0 (gymnasium's FrozenLake via the adapter).
+(information gathered over turns), agentrl/LongTail-v0 (uneven lengths and latency, for async benchmarks)
+and agentrl/GymFrozenLakeText-v0 (gymnasium's FrozenLake via the adapter).
 Entry points are strings, so importing this package stays cheap.
 """
 
@@ -40,3 +41,4 @@ register_env("agentrl/FrozenLake-v0", "agentrl.envs.frozen_lake:FrozenLakeEnv")
 register_env("agentrl/GuessNumber-v0", "agentrl.envs.guess_number:GuessNumberEnv")
 register_env("agentrl/GymFrozenLakeText-v0", "agentrl.envs.gym_adapter:gym_frozen_lake_text")
 register_env("agentrl/MathTool-v0", "agentrl.envs.math_qa:MathToolEnv")
+register_env("agentrl/LongTail-v0", "agentrl.envs.long_tail:LongTailEnv")

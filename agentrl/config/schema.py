@@ -44,6 +44,7 @@ class EnvsConfig(Section):
     max_total_tokens: PositiveInt = 4096
     num_managers: PositiveInt = 1
     step_timeout_s: PositiveFloat = 30.0
+    env_threads: PositiveInt = Field(16, description="threads per env manager for env.reset/step (blocking code)")
 
 
 class ToolSpec(Section):

@@ -67,7 +67,7 @@ class EnvManager:
             self._generate,
             _make_env,
             limits,
-            ThreadPoolExecutor(max_workers=8, thread_name_prefix="env"),
+            ThreadPoolExecutor(max_workers=e.env_threads, thread_name_prefix="env"),
             toolboxes=self._toolboxes(cfg),
             tool_parser=self._tool_parser(cfg),
         )
