@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -38,4 +39,5 @@ def vllm_fleet(ray_session, tiny_model_path):
     router = start_router(engines, cfg)
     yield cfg, engines, router
     for handle in [*engines, router]:
-        ray_session.kill(handle)
+        with contextlib.suppress(Exception):  # already gone if a test killed it
+            ray_session.kill(handle)

@@ -70,6 +70,7 @@ async def test_explicit_abort_returns_partial_tokens(fleet):
 async def test_weight_update_changes_output_and_restore_reproduces(fleet, tiny_model_path, tmp_path):
     _, engines, router = fleet
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    await router.update_weights.remote(tiny_model_path, 0)  # other test modules share these engines
     before = await engines[0].generate.remote(PROMPT, greedy, "g0")
     changed = _perturbed_copy(tiny_model_path, tmp_path / "v1", scale=0.5)
     seconds = await router.update_weights.remote(changed, 1)
