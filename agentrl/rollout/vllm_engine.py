@@ -57,6 +57,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=True,
+            worker_extension_cls="agentrl.rollout.vllm_worker.AgentrlWorkerExtension",
             **({} if self.platform.kind == "cpu" else {"gpu_memory_utilization": gpu_memory_utilization}),
             **(engine_kwargs or {}),
         )
@@ -166,6 +167,8 @@ class VLLMEngine(RolloutEngine):
         try:
             await self._drain(drain)
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(source)})
+            if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
+                await self._llm.collective_rpc("refresh_cpu_gemm")
             await self._llm.reset_prefix_cache()
             self._version = version
         finally:
