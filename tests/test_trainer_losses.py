@@ -189,3 +189,14 @@ def test_export_cli_rejects_non_checkpoint(tmp_path, capsys) -> None:
 
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert "not an agentrl trainer checkpoint" in capsys.readouterr().err
+
+
+def test_step_wise_samples_count_each_episode_once_in_the_group():
+    from agentrl.trainer.advantages import sequence_advantages
+
+    # episode a: 1 turn, return 1; episode b: 3 turns, return 0 -> +1 / -1 for every turn, not skewed by turn count
+    rewards, groups, episodes = [1.0, 0.0, 0.0, 0.0], ["g"] * 4, ["a", "b", "b", "b"]
+    adv = sequence_advantages("grpo", rewards, groups, episodes)
+    assert adv[0] == pytest.approx(1.0, abs=1e-4) and all(x == pytest.approx(-1.0, abs=1e-4) for x in adv[1:])
+    skewed = sequence_advantages("grpo", rewards, groups)
+    assert skewed[0] == pytest.approx(3**0.5, abs=1e-4)

@@ -169,8 +169,23 @@ def step_return_advantages(samples: Sequence[Sample], gamma: float) -> list[list
     return out
 
 
-def sequence_advantages(kind: str, rewards: Sequence[float], group_ids: Sequence[str]) -> list[float]:
-    """Dispatch for the sequence-level estimators by config name."""
+def sequence_advantages(
+    kind: str, rewards: Sequence[float], group_ids: Sequence[str], episode_ids: Sequence[str] | None = None
+) -> list[float]:
+    """Dispatch for the sequence-level estimators by config name.
+
+    With `episode_ids`, every episode counts once however many samples (turns) it has: step-wise samples of
+    long episodes would otherwise dominate the group mean and std. The episode's advantage then applies to each
+    of its samples (the form that learned on CPU in LEARNING_NOTES).
+    """
+    if episode_ids is not None:
+        first: dict[str, int] = {}
+        for i, episode in enumerate(episode_ids):
+            first.setdefault(episode, i)
+        rows = list(first.values())
+        per_episode = sequence_advantages(kind, [rewards[i] for i in rows], [group_ids[i] for i in rows])
+        by_episode = dict(zip(first, per_episode, strict=True))
+        return [by_episode[e] for e in episode_ids]
     if kind == "grpo":
         return grpo(rewards, group_ids, use_std=True)
     if kind == "grpo_no_std":

@@ -146,7 +146,9 @@ class TrainerRank:
             shaped = [s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)]
             a = adv_lib.step_return_advantages(shaped, alg.gamma)
             return {i: a[i] for i in mine}, {}, rewards
-        seq = adv_lib.sequence_advantages(alg.advantage, rewards, [s.group_id for s in samples])
+        seq = adv_lib.sequence_advantages(
+            alg.advantage, rewards, [s.group_id for s in samples], [s.episode_id for s in samples]
+        )
         return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
 
     def _denom(self, samples: list[Sample]) -> float:
