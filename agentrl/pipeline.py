@@ -114,8 +114,19 @@ class Pipeline:
         for old in self.weights_root.glob("v*"):
             if old.name != f"v{version}":
                 shutil.rmtree(old, ignore_errors=True)
-        await self.buffer.set_version(version)
         return time.perf_counter() - t0
+
+    async def train_on(self, groups: list[GroupResult]) -> dict[str, float]:
+        """`trainer.algorithm.mini_batches` optimizer steps on one batch; a group never spans two of them, so
+        group-relative advantages see the whole group."""
+        k = min(self.cfg.trainer.algorithm.mini_batches, len(groups))
+        chunks = [groups[i::k] for i in range(k)]
+        runs = []
+        for chunk in chunks:
+            runs.append(await asyncio.to_thread(self.trainer.train_step, [s for g in chunk for s in g.samples]))
+        out = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+        out["train/version"] = runs[-1]["train/version"]
+        return out
 
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
@@ -150,9 +161,6 @@ class Pipeline:
         elif cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
             self.sink.log(0, await self.warm_start())
             await self.sync_weights(self.trainer.version)
-            self.buffer.started = self.trainer.version * self.buffer.batch_episodes
-        version0 = self.trainer.version
-        self.buffer.version = version0
         if cfg.validation.every_steps and cfg.envs.val and resume_from is None:
             state.first_val = await self.validate()
             self.sink.log(state.step, state.first_val)
@@ -168,10 +176,11 @@ class Pipeline:
                 self._record_trained(state.step + 1, groups)
                 metrics = batch_metrics(groups, samples, self.trainer.version)
                 t0 = time.perf_counter()
-                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
+                metrics.update(await self.train_on(groups))
                 metrics["timing/train"] = time.perf_counter() - t0
                 metrics["timing/weight_sync"] = await self.sync_weights(self.trainer.version)
                 state.step += 1
+                await self.buffer.set_version(state.step)  # the staleness bound counts trained batches
                 if cfg.validation.every_steps and cfg.envs.val and state.step % cfg.validation.every_steps == 0:
                     last_val = await self.validate()
                     metrics.update(last_val)
