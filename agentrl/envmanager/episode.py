@@ -200,7 +200,6 @@ class EpisodeRunner:
                         return
                     pending = [{"role": "user", "content": obs}]
             result.truncation = "max_turns"
-            result.messages += pending  # the last turn's tool results, for the record (no model turn follows)
         finally:
             if box is not None:
                 await box.close_session(spec.episode_id)
