@@ -116,18 +116,6 @@ class Pipeline:
                 shutil.rmtree(old, ignore_errors=True)
         return time.perf_counter() - t0
 
-    async def train_on(self, groups: list[GroupResult]) -> dict[str, float]:
-        """`trainer.algorithm.mini_batches` optimizer steps on one batch; a group never spans two of them, so
-        group-relative advantages see the whole group."""
-        k = min(self.cfg.trainer.algorithm.mini_batches, len(groups))
-        chunks = [groups[i::k] for i in range(k)]
-        runs = []
-        for chunk in chunks:
-            runs.append(await asyncio.to_thread(self.trainer.train_step, [s for g in chunk for s in g.samples]))
-        out = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
-        out["train/version"] = runs[-1]["train/version"]
-        return out
-
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
         v = self.cfg.validation
@@ -176,7 +164,7 @@ class Pipeline:
                 self._record_trained(state.step + 1, groups)
                 metrics = batch_metrics(groups, samples, self.trainer.version)
                 t0 = time.perf_counter()
-                metrics.update(await self.train_on(groups))
+                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
                 metrics["timing/train"] = time.perf_counter() - t0
                 metrics["timing/weight_sync"] = await self.sync_weights(self.trainer.version)
                 state.step += 1

@@ -200,3 +200,28 @@ def test_step_wise_samples_count_each_episode_once_in_the_group():
     assert adv[0] == pytest.approx(1.0, abs=1e-4) and all(x == pytest.approx(-1.0, abs=1e-4) for x in adv[1:])
     skewed = sequence_advantages("grpo", rewards, groups)
     assert skewed[0] == pytest.approx(3**0.5, abs=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["pad", "packed"])
+def test_logprobs_at_loss_positions_equal_the_full_pass(tiny_model_path, layout) -> None:
+    """The LM head runs only where the loss mask is set; those log-probs (and their gradients) must equal the
+    ones of the full pass; columns no row trains on hold 0."""
+    from agentrl.trainer.model import forward_logprobs, load_causal_lm
+
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    toks = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([20, 14, 9])]
+    masks = [[0] * (n - 4) + [1] * 4 for n in (20, 14, 9)]
+    full = collate(toks, {}, layout, 0)
+    part = collate(toks, {"loss_mask": masks}, layout, 0)
+    lp_full, _ = forward_logprobs(model, full)
+    lp_part, ent = forward_logprobs(model, part, with_entropy=True)
+    mask = part["loss_mask"] > 0
+    assert torch.allclose(lp_part[mask], lp_full[mask], atol=1e-5)
+    unused = ~mask.any(dim=0)  # columns no row trains on were never computed
+    assert (lp_part[:, unused] == 0).all() and unused.sum() > 0 and (ent[mask] > 0).all()
+    (lp_part * part["loss_mask"]).sum().backward()
+    g_part = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad()
+    (lp_full * part["loss_mask"]).sum().backward()
+    assert torch.allclose(g_part, model.model.embed_tokens.weight.grad, atol=1e-5)

@@ -212,3 +212,24 @@ def test_gae_critic_reference_kl_packed_layout(ray_session, tmp_path) -> None:
         group.shutdown()
     assert again["train/loss"] == pytest.approx(after["train/loss"], rel=1e-6, abs=1e-7)
     assert again["train/value_loss"] == pytest.approx(after["train/value_loss"], rel=1e-6, abs=1e-7)
+
+
+def test_mini_batches_share_one_proximal_policy(ray_session) -> None:
+    """k mini-batch optimizer steps per train_step clip against the policy from before the first of them: on
+    on-policy data the later mini-batches see ratios != 1 and, at a large lr, clipping. (Recomputing the
+    proximal policy per mini-batch would pin every ratio at exactly 1: no trust region.)"""
+    cfg = _cfg(1)
+    cfg.trainer.optim.lr = 3e-2
+    cfg.trainer.algorithm.mini_batches = 4
+    group = TrainerGroup(cfg)
+    try:
+        samples = _samples(16)
+        lp = group.compute_logprobs(samples)
+        for s, x in zip(samples, lp, strict=True):
+            s.logprobs = x
+        m = group.train_step(samples)
+    finally:
+        group.shutdown()
+    assert group.version == 4 and m["train/optimizer_steps"] == 4
+    assert abs(m["train/ratio_mean"] - 1.0) > 1e-3 and m["train/clip_frac"] > 0, m
+    assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)

@@ -154,7 +154,9 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
     ppo_epochs: PositiveInt = 1
-    mini_batches: PositiveInt = Field(1, description="optimizer steps per batch (whole groups per mini-batch)")
+    mini_batches: PositiveInt = Field(
+        1, description="optimizer steps per batch and PPO epoch; proximal log-probs and advantages are computed once"
+    )
 
 
 class SFTConfig(Section):

@@ -64,6 +64,25 @@ def _shift_align(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(x[:, :1]), x], dim=1)
 
 
+def loss_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """Token positions any row of the micro-batch trains on (loss_mask), or None for every position.
+
+    Step-wise samples train on ~5 answer tokens after ~110 prompt tokens: the LM head and softmax over the
+    vocabulary at the other positions would be wasted work (measured 1.6x step time on the tiny model).
+    """
+    mask = batch.get("loss_mask")
+    if mask is None:
+        return None
+    cols = torch.nonzero(mask.any(dim=0)).flatten()
+    return cols if cols.numel() else torch.ones(1, dtype=torch.long, device=mask.device)
+
+
+def _accepts_logits_to_keep(model: nn.Module) -> bool:
+    import inspect
+
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
 def forward_logprobs(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
@@ -71,24 +90,37 @@ def forward_logprobs(
     temperature: float = 1.0,
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens."""
+    """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens.
+
+    With a `loss_mask` in the batch only the columns some row trains on are computed (the others hold 0);
+    without, all of them.
+    """
+    ids = batch["input_ids"]
+    targets = loss_positions(batch)
+    if targets is None:
+        targets = torch.arange(1, ids.shape[1], device=ids.device)
+    kwargs = {}
+    if _accepts_logits_to_keep(model):
+        kwargs["logits_to_keep"] = targets - 1  # the LM head runs at these positions only
     out = model(
-        input_ids=batch["input_ids"],
+        input_ids=ids,
         attention_mask=batch["attention_mask"],
         position_ids=batch["position_ids"],
         use_cache=False,
+        **kwargs,
     )
-    logits = out.logits[:, :-1].float()
+    logits = out.logits if kwargs else out.logits[:, targets - 1]
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    targets = batch["input_ids"][:, 1:]
     logp_all = torch.log_softmax(logits, dim=-1)  # once: the entropy reuses it
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = logp_all.gather(-1, ids[:, targets].unsqueeze(-1)).squeeze(-1)
+    zeros = logp.new_zeros(ids.shape)
     ent = None
     if with_entropy:  # a metric unless entropy_grad (entropy bonus): then it needs the graph
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = _shift_align(-(logp_all.exp() * logp_all).sum(-1))
-    return _shift_align(logp), ent
+            ent = zeros.index_copy(1, targets, -(logp_all.exp() * logp_all).sum(-1))
+    return zeros.index_copy(1, targets, logp), ent
 
 
 def forward_values(critic: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:

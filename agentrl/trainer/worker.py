@@ -72,7 +72,7 @@ class TrainerRank:
             self.ref = apply_fsdp2(load_causal_lm(model_path, dtype, self.device)).eval()
             self.ref.requires_grad_(False)
         self.critic = None
-        opt_steps = self.tc.total_steps * self.alg.ppo_epochs
+        opt_steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
         if self.alg.advantage == "gae":
             self.critic = apply_fsdp2(ValueModel(model_path, dtype, self.device))
             self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
@@ -84,14 +84,16 @@ class TrainerRank:
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
-    def _plan(self, samples: list[Sample]) -> list[list[int]]:
-        """This rank's micro-batches, padded with empty ones to the max count over ranks (collectives)."""
+    def _plan(self, samples: list[Sample], mine: list[int] | None = None) -> list[list[int]]:
+        """This rank's micro-batches (of its shard, or of `mine`), padded with empty ones to the max count over
+        ranks (collectives)."""
         lengths = [len(s.token_ids) for s in samples]
-        mine = shard_indices(lengths, self.world)[self.rank]
+        if mine is None:
+            mine = shard_indices(lengths, self.world)[self.rank]
         mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
         n = torch.tensor([len(mbs)])
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return mbs + [[] for _ in range(int(n) - len(mbs))]
+        return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
 
     def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
         """Collate micro-batch `idx`; an empty one is a 2-token dummy, loss mask 0 (keeps FSDP in step)."""
@@ -101,10 +103,14 @@ class TrainerRank:
         return collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
 
     @torch.no_grad()
-    def _logprob_pass(self, model, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
+    def _logprob_pass(
+        self, model, samples: list[Sample], mbs: list[list[int]], every_token: bool = False
+    ) -> dict[int, list[float]]:
+        """Log-probs of the loss-mask tokens (0 elsewhere), or of every token."""
         out: dict[int, list[float]] = {}
+        masks = {} if every_token else {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         for idx in mbs:
-            batch = self._batch(samples, idx, {})
+            batch = self._batch(samples, idx, masks)
             logp, _ = forward_logprobs(model, batch)
             out.update(zip(idx, scatter_back(logp, batch), strict=False))
         return out
@@ -151,17 +157,29 @@ class TrainerRank:
         )
         return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
 
-    def _denom(self, samples: list[Sample]) -> float:
-        """Batch-global denominator: model tokens (token_mean) or sequences with any (seq_mean_*)."""
-        counts = [sum(s.loss_mask[1:]) for s in samples]
-        if self.alg.loss_agg == "token_mean":
-            return float(sum(counts))
-        return float(sum(1 for c in counts if c))
+    def _denom(self, samples: list[Sample], mine: list[int]) -> float:
+        """Global denominator of the samples in `mine` over all ranks: model tokens (token_mean) or sequences
+        with any (seq_mean_*)."""
+        counts = [sum(samples[i].loss_mask[1:]) for i in mine]
+        local = float(sum(counts)) if self.alg.loss_agg == "token_mean" else float(sum(1 for c in counts if c))
+        total = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(total)
+        return float(total)
+
+    def _mini_batches(self, mine: list[int], batch_size: int) -> list[list[int]]:
+        """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step."""
+        k = max(1, min(self.alg.mini_batches, batch_size))
+        order = list(mine)
+        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.step * 1009 + self.rank)
+        order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
+        return [sorted(order[j::k]) for j in range(k)]
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL step: proximal/ref log-probs, advantages, then one optimizer step per PPO epoch."""
+        """One RL step: proximal/ref log-probs and advantages once for the batch, then `ppo_epochs` x
+        `mini_batches` optimizer steps. The proximal policy stays the one from before the first optimizer
+        step, so clipping bounds how far all of them together move it (the trust region)."""
         t0 = time.perf_counter()
         alg = self.alg
         mbs = self._plan(samples)
@@ -183,41 +201,43 @@ class TrainerRank:
             fields["ref"] = ref
         if values is not None:
             fields["old_values"], fields["returns"] = values, returns
-        denom = self._denom(samples)
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
         grad_norms, lrs = [], []
         self.model.train()
         for _ in range(alg.ppo_epochs):
-            self.opt.zero_grad(set_to_none=True)
-            if self.critic is not None:
-                self.critic_opt.zero_grad(set_to_none=True)
-            for idx in mbs:
-                sums += self._rl_micro_step(self._batch(samples, idx, fields), denom)
-            grad_norms.append(clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip))
-            lrs.append(self.opt.param_groups[0]["lr"])
-            self.opt.step()
-            self.sched.step()
-            if self.critic is not None:
-                clip_grad_norm(self.critic.parameters(), self.tc.optim.grad_clip)
-                self.critic_opt.step()
-                self.critic_sched.step()
-            self.version += 1
+            for part in self._mini_batches(mine, len(samples)):
+                denom = self._denom(samples, part)
+                self.opt.zero_grad(set_to_none=True)
+                if self.critic is not None:
+                    self.critic_opt.zero_grad(set_to_none=True)
+                for idx in self._plan(samples, part):
+                    sums += self._rl_micro_step(self._batch(samples, idx, fields), denom)
+                grad_norms.append(clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip))
+                lrs.append(self.opt.param_groups[0]["lr"])
+                self.opt.step()
+                self.sched.step()
+                if self.critic is not None:
+                    clip_grad_norm(self.critic.parameters(), self.tc.optim.grad_clip)
+                    self.critic_opt.step()
+                    self.critic_sched.step()
+                self.version += 1
         self.step += 1
         dist.all_reduce(sums)
         m = dict(zip(METRIC_KEYS, sums.tolist(), strict=True))
-        ep, tok = alg.ppo_epochs, max(m["tokens"], 1.0)
+        ep, n_opt, tok = alg.ppo_epochs, len(grad_norms), max(m["tokens"], 1.0)
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.token_ids) for s in samples)
         out = {
-            "train/loss": m["loss"] / ep,
-            "train/pg_loss": m["pg_loss"] / ep,
+            "train/loss": m["loss"] / n_opt,
+            "train/pg_loss": m["pg_loss"] / n_opt,
             "train/kl": m["kl"] / tok,
             "train/entropy": m["entropy"] / tok,
             "train/clip_frac": m["clipped"] / tok,
             "train/dual_clip_frac": m["dual_clipped"] / tok,
             "train/ratio_mean": m["ratio"] / tok,
-            "train/grad_norm": sum(grad_norms) / ep,
+            "train/grad_norm": sum(grad_norms) / n_opt,
             "train/lr": lrs[-1],
+            "train/optimizer_steps": float(n_opt),
             "train/tokens": float(n_tokens),
             "train/model_tokens": m["tokens"] / ep,
             "train/step_time": elapsed,
@@ -228,7 +248,7 @@ class TrainerRank:
             out["train/is_weight_mean"] = m["is_weight"] / tok
             out["train/is_truncated_frac"] = m["is_truncated"] / tok
         if self.critic is not None:
-            out["train/value_loss"] = m["value_loss"] / ep
+            out["train/value_loss"] = m["value_loss"] / n_opt
         return out
 
     def _rl_micro_step(self, batch: dict, denom: float) -> torch.Tensor:
@@ -307,7 +327,7 @@ class TrainerRank:
     def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
         """This rank's share of the batch's log-probs under the current weights (merged by the driver)."""
         self.model.eval()
-        return self._logprob_pass(self.model, samples, self._plan(samples))
+        return self._logprob_pass(self.model, samples, self._plan(samples), every_token=True)
 
     # ---- weights and state ---------------------------------------------------------------------------------
 
