@@ -4,16 +4,21 @@ AReaL's rule, written once: an episode may start only while
 
     started_episodes + new <= (max_staleness + trainer_version + 1) * batch_episodes
 
-so no trained sample is more than `max_staleness` versions older than the policy being trained, and finished
-work is never thrown away for being slow. max_staleness=0 is synchronous on-policy RL: the next batch cannot
-start until the trainer has produced the version it will be sampled from.
+Versions count trained batches (RL steps). Admission alone bounds when episodes *start*; a long episode could
+still finish after younger ones and be trained too late. So batches are taken in admission order, and a group
+admitted at version v is *due* at version v + max_staleness: the trainer waits for due groups still running (a
+straggler holds training up only after max_staleness versions of slack; with partial rollout it runs on the new
+weights meanwhile). The admission rule guarantees the due groups fit into one batch, so every token of every
+trained sample is at most `max_staleness` versions old, and finished work is never thrown away for being slow.
+max_staleness=0 is synchronous on-policy RL: the next batch cannot start until the trainer has produced the
+version it will be sampled from, and each batch waits for all of its episodes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +62,8 @@ class SampleBuffer:
         # On resume, count the batches already consumed as started so the formula stays the same.
         self.started = start_version * batch_episodes if started_episodes is None else started_episodes
         self.in_flight = 0
-        self._ready: deque[GroupResult] = deque()
+        self._running: Counter[int] = Counter()  # admission version -> groups still running
+        self._ready: list[GroupResult] = []
         self._changed = asyncio.Condition()
         self.stats = BufferStats()
 
@@ -65,8 +71,9 @@ class SampleBuffer:
     def can_start(self, episodes: int) -> bool:
         return self.started + episodes <= admission_limit(self.max_staleness, self.version, self.batch_episodes)
 
-    async def admit(self, episodes: int) -> None:
-        """Wait until `episodes` more may start under the staleness bound, then count them as started."""
+    async def admit(self, episodes: int) -> int:
+        """Wait until `episodes` more may start under the staleness bound, count them as started, and return the
+        admission version (put() the finished group with it as `admitted_version`)."""
         async with self._changed:
             t0 = time.perf_counter()
             idle = self.in_flight == 0
@@ -75,10 +82,15 @@ class SampleBuffer:
                 self.stats.rollout_blocked_s += time.perf_counter() - t0
             self.started += episodes
             self.in_flight += episodes
+            self._running[self.version] += 1
+            return self.version
 
     async def put(self, group: GroupResult, planned_episodes: int) -> None:
         async with self._changed:
             self.in_flight -= planned_episodes
+            self._running[group.admitted_version] -= 1
+            if self._running[group.admitted_version] <= 0:
+                del self._running[group.admitted_version]
             self.stats.groups_in += 1
             self.stats.episodes_failed += len(group.failures)
             self.stats.rewards_missing += len(group.missing_rewards)
@@ -95,13 +107,19 @@ class SampleBuffer:
             self._changed.notify_all()
 
     # ---- trainer side ----------------------------------------------------------------------------------------
+    def _due_running(self) -> bool:
+        """A group that must be trained in this batch (admitted max_staleness versions ago) is still running."""
+        return any(v <= self.version - self.max_staleness for v in self._running)
+
     async def get_batch(self) -> list[GroupResult]:
-        """The oldest `batch_groups` finished groups."""
+        """`batch_groups` finished groups, earliest admitted first, once no due group is still running."""
         async with self._changed:
             t0 = time.perf_counter()
-            await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups)
+            await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups and not self._due_running())
             self.stats.trainer_wait_s += time.perf_counter() - t0
-            return [self._ready.popleft() for _ in range(self.batch_groups)]
+            self._ready.sort(key=lambda g: g.admitted_version)  # stable: arrival order within a version
+            batch, self._ready = self._ready[: self.batch_groups], self._ready[self.batch_groups :]
+            return batch
 
     async def set_version(self, version: int) -> None:
         async with self._changed:
@@ -117,7 +135,7 @@ class SampleBuffer:
         return {"ready": list(self._ready), "started": self.started - self.in_flight, "version": self.version}
 
     def load_state(self, state: dict[str, Any]) -> None:
-        self._ready = deque(state["ready"])
+        self._ready = list(state["ready"])
         self.started = state["started"]
         self.version = state["version"]
 

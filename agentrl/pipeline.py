@@ -6,7 +6,8 @@
 
 Every mode is this code with two parameters: async.max_staleness (0 = synchronous, 1 = one-step-off, k = fully
 async) and async.partial_rollout (weight updates preempt in-flight generations, which resume on the new weights;
-without it, updates wait for in-flight generations to finish).
+without it, updates wait for in-flight generations to finish). The policy version engines stamp on tokens is
+the number of trained batches (the warm-start weights are version 0), the unit max_staleness counts in.
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ import ray
 
 from agentrl.buffer import SampleBuffer
 from agentrl.config import Config, dump_yaml
-from agentrl.envmanager.manager import EnvManager, GroupResult
+from agentrl.envmanager.manager import GroupResult, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
-from agentrl.platform import configure_cpu_threads, worker_env
+from agentrl.platform import configure_cpu_threads
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.run_state import RunState, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
-from agentrl.step_metrics import batch_metrics, validation_metrics
+from agentrl.step_metrics import batch_metrics, evaluate
 from agentrl.trainer import TrainerGroup
 
 
@@ -41,13 +42,7 @@ class Pipeline:
         self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
         self.router = start_router(self.engines, cfg.rollout)
         self.reward_pool = self._reward_pool()
-        manager_cls = ray.remote(EnvManager).options(
-            max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()}
-        )
-        self.managers = [
-            manager_cls.remote(cfg, self.model_path, self.router, self.reward_pool, i)
-            for i in range(cfg.envs.num_managers)
-        ]
+        self.managers = start_managers(cfg, self.model_path, self.router, self.reward_pool)
         train = cfg.envs.train
         self.group_sizes = {tag: spec.group_size for tag, spec in train.items()}
         self.buffer = SampleBuffer(
@@ -89,18 +84,19 @@ class Pipeline:
 
     async def _start_group(self, tag: str, seed: int) -> None:
         size = self.group_sizes[tag]
-        await self.buffer.admit(size)
+        version = await self.buffer.admit(size)
         key = self.state.next_group_key()
         self.in_flight[key] = (tag, seed)
         manager = self.managers[key % len(self.managers)]
-        self.tasks.add(asyncio.ensure_future(self._run_group(manager, key, tag, seed, size)))
+        self.tasks.add(asyncio.ensure_future(self._run_group(manager, key, tag, seed, size, version)))
 
-    async def _run_group(self, manager: Any, key: int, tag: str, seed: int, size: int) -> None:
+    async def _run_group(self, manager: Any, key: int, tag: str, seed: int, size: int, version: int) -> None:
         try:
             result = await manager.run_group.remote(tag, seed)
         except Exception as err:  # a dead manager or engine fleet: count it, keep going
             result = GroupResult(tag=tag, seed=seed, split="train", failures=[f"group {tag}/{seed}: {err}"])
         self.in_flight.pop(key, None)
+        result.admitted_version = version
         await self.buffer.put(result, size)
         self.tasks = {t for t in self.tasks if not t.done()}
 
@@ -118,13 +114,7 @@ class Pipeline:
 
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
-        v = self.cfg.validation
-        jobs = [
-            self.managers[i % len(self.managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, "val", 1)
-            for tag, spec in self.cfg.envs.val.items()
-            for i in range(v.episodes_per_tag)
-        ]
-        return validation_metrics(list(await asyncio.gather(*jobs))) if jobs else {}
+        return await evaluate(self.cfg, self.managers)
 
     async def warm_start(self) -> dict[str, float]:
         from transformers import AutoTokenizer
@@ -145,10 +135,10 @@ class Pipeline:
         cfg, state = self.cfg, self.state
         if resume_from is not None:
             state = self.state = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
-            await self.sync_weights(self.trainer.version)
+            await self.sync_weights(state.step)
         elif cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
             self.sink.log(0, await self.warm_start())
-            await self.sync_weights(self.trainer.version)
+            await self.sync_weights(0)
         if cfg.validation.every_steps and cfg.envs.val and resume_from is None:
             state.first_val = await self.validate()
             self.sink.log(state.step, state.first_val)
@@ -162,13 +152,13 @@ class Pipeline:
                 t_batch = time.perf_counter() - t_step
                 samples = [s for g in groups for s in g.samples]
                 self._record_trained(state.step + 1, groups)
-                metrics = batch_metrics(groups, samples, self.trainer.version)
+                metrics = batch_metrics(groups, samples, state.step)
                 t0 = time.perf_counter()
                 metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
                 metrics["timing/train"] = time.perf_counter() - t0
-                metrics["timing/weight_sync"] = await self.sync_weights(self.trainer.version)
                 state.step += 1
-                await self.buffer.set_version(state.step)  # the staleness bound counts trained batches
+                metrics["timing/weight_sync"] = await self.sync_weights(state.step)
+                await self.buffer.set_version(state.step)
                 if cfg.validation.every_steps and cfg.envs.val and state.step % cfg.validation.every_steps == 0:
                     last_val = await self.validate()
                     metrics.update(last_val)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 from statistics import mean
+from typing import Any
 
 from agentrl.buffer import staleness
+from agentrl.config.schema import Config
 from agentrl.envmanager.manager import GroupResult
 from agentrl.types import Sample
 
@@ -48,3 +50,18 @@ def validation_metrics(groups: list[GroupResult]) -> dict[str, float]:
     if by_tag:
         out["val/success"] = mean(v for k, v in out.items() if k.endswith("/success"))
     return out
+
+
+async def evaluate(cfg: Config, managers: list[Any]) -> dict[str, float]:
+    """`validation.episodes_per_tag` held-out episodes per val tag (the train tags when there are none),
+    spread over the env managers; success and return per tag."""
+    import asyncio
+
+    v = cfg.validation
+    envs, split = (cfg.envs.val, "val") if cfg.envs.val else (cfg.envs.train, "train")
+    jobs = [
+        managers[i % len(managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, split, 1)
+        for tag, spec in envs.items()
+        for i in range(v.episodes_per_tag)
+    ]
+    return validation_metrics(list(await asyncio.gather(*jobs))) if jobs else {}

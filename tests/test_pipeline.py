@@ -27,7 +27,7 @@ async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, t
     original = pipeline.trainer.train_step
 
     def spy(samples):
-        trained.append((pipeline.trainer.version, samples))
+        trained.append((pipeline.state.step, samples))  # the policy version = trained batches
         return original(samples)
 
     pipeline.trainer.train_step = spy

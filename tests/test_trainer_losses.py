@@ -210,8 +210,9 @@ def test_logprobs_at_loss_positions_equal_the_full_pass(tiny_model_path, layout)
 
     torch.manual_seed(0)
     model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
-    toks = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate([20, 14, 9])]
-    masks = [[0] * (n - 4) + [1] * 4 for n in (20, 14, 9)]
+    lengths = [20, 14, 9]
+    toks = [[5 + (7 * i + j) % 200 for j in range(n)] for i, n in enumerate(lengths)]
+    masks = [[0] * (n - 4) + [1] * 4 for n in lengths]
     full = collate(toks, {}, layout, 0)
     part = collate(toks, {"loss_mask": masks}, layout, 0)
     lp_full, _ = forward_logprobs(model, full)
@@ -225,3 +226,47 @@ def test_logprobs_at_loss_positions_equal_the_full_pass(tiny_model_path, layout)
     model.zero_grad()
     (lp_full * part["loss_mask"]).sum().backward()
     assert torch.allclose(g_part, model.model.embed_tokens.weight.grad, atol=1e-5)
+
+
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny_model_path, fsdp) -> None:
+    """Rows that start with the same 24 tokens (a system prompt): the prefix runs once and its KV cache feeds
+    every row. Log-probs and every parameter's gradient must equal the plain pass (also under FSDP2)."""
+    import os
+
+    import torch.distributed as dist
+
+    from agentrl.trainer import model as M
+
+    torch.manual_seed(0)
+    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    if fsdp:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29581")
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", rank=0, world_size=1)
+        model = M.apply_fsdp2(model)
+    prefix = [9 + j % 50 for j in range(24)]
+    toks = [prefix + [60 + (5 * i + j) % 150 for j in range(n)] for i, n in enumerate([12, 7, 10, 7])]
+    masks = [[0] * (len(t) - 3) + [1] * 3 for t in toks]
+    batch = collate(toks, {"loss_mask": masks}, "pad", 0)
+    assert M.shared_prefix_len(batch, int(M.loss_positions(batch)[0]) - 1) == 24
+
+    def grads(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        old = M.MIN_SHARED_PREFIX
+        M.MIN_SHARED_PREFIX = 16 if share else 10_000
+        try:
+            lp, _ = M.forward_logprobs(model, batch)
+            (lp * batch["loss_mask"]).sum().backward()
+        finally:
+            M.MIN_SHARED_PREFIX = old
+        out = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return lp.detach(), out
+
+    lp_plain, g_plain = grads(share=False)
+    lp_shared, g_shared = grads(share=True)
+    assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_shared, strict=True))
+    if fsdp:
+        dist.destroy_process_group()

@@ -36,13 +36,17 @@ def _cfg(num_ranks: int) -> Config:
     return cfg
 
 
+SYSTEM = [7 + (3 * j) % 90 for j in range(18)]  # a shared system prompt: exercises the shared-prefix pass
+
+
 def _samples(n: int = 12, seed: int = 0) -> list[Sample]:
     rng = random.Random(seed)
     out = []
     for i in range(n):
         length, prompt = rng.randint(16, 56), rng.randint(4, 10)
-        toks = [rng.randint(3, 300) for _ in range(length)]
-        mask = [0] * prompt + [1] * (length - prompt)
+        toks = SYSTEM + [rng.randint(3, 300) for _ in range(length)]
+        mask = [0] * (len(SYSTEM) + prompt) + [1] * (length - prompt)
+        length = len(toks)
         out.append(Sample(toks, mask, [0.0] * length, [0] * length, float(i % 3), f"g{i // 4}", f"e{i}"))
     return out
 

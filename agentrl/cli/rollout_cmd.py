@@ -28,18 +28,18 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     pl.set_defaults(func=_plot)
 
 
-def _fleet(cfg, model_path: str):
+def _fleet(cfg, model_path: str) -> list:
+    """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
     import ray
 
-    from agentrl.envmanager.manager import EnvManager
+    from agentrl.envmanager.manager import start_managers
     from agentrl.rollout.fleet import start_engines, start_router
 
     if not ray.is_initialized():
         ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)
     router = start_router(engines, cfg.rollout)
-    manager = ray.remote(EnvManager).options(max_concurrency=100_000).remote(cfg, model_path, router)
-    return manager
+    return start_managers(cfg, model_path, router)
 
 
 def _rollout(args: argparse.Namespace) -> int:
@@ -48,7 +48,7 @@ def _rollout(args: argparse.Namespace) -> int:
     from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
-    manager = _fleet(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    managers = _fleet(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     envs = cfg.envs.val if args.split == "val" else cfg.envs.train
     sampling = sampling_params(cfg.rollout.val_sampling if args.split == "val" else cfg.rollout.sampling)
     tags = list(envs.items())
@@ -62,7 +62,7 @@ def _rollout(args: argparse.Namespace) -> int:
         )  # fmt: skip
 
     async def collect():
-        return await asyncio.gather(*(manager.run_episode.remote(s) for s in specs))
+        return await asyncio.gather(*(managers[i % len(managers)].run_episode.remote(s) for i, s in enumerate(specs)))
 
     episodes = asyncio.run(collect())
     with Path(args.out).open("w") as f:
@@ -77,22 +77,11 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from agentrl.models.tiny import resolve_model_path
-    from agentrl.step_metrics import validation_metrics
+    from agentrl.step_metrics import evaluate
 
     cfg = load_config(args.config, args.overrides)
-    manager = _fleet(cfg, args.checkpoint or resolve_model_path(cfg.model.path, cfg.model.cache_dir))
-    v = cfg.validation
-    envs = cfg.envs.val or cfg.envs.train
-
-    async def run():
-        jobs = [
-            manager.run_group.remote(tag, v.seed_start + spec.seed_start + i, "val" if cfg.envs.val else "train", 1)
-            for tag, spec in envs.items()
-            for i in range(v.episodes_per_tag)
-        ]
-        return validation_metrics(list(await asyncio.gather(*jobs)))
-
-    for key, value in sorted(asyncio.run(run()).items()):
+    managers = _fleet(cfg, args.checkpoint or resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    for key, value in sorted(asyncio.run(evaluate(cfg, managers)).items()):
         print(f"{key}: {value:.4f}")
     return 0
 

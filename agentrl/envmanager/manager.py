@@ -32,6 +32,7 @@ class GroupResult:
     episodes: list[dict[str, float]] = field(default_factory=list)  # per finished episode: episode metrics
     failures: list[str] = field(default_factory=list)  # errors of episodes that crashed or timed out
     missing_rewards: list[str] = field(default_factory=list)
+    admitted_version: int = 0  # the policy version (trained batches) when the buffer admitted the group
 
 
 def _make_env(env_id: str, kwargs: dict) -> Any:
@@ -162,3 +163,13 @@ class EnvManager:
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)
+
+
+def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any = None) -> list[Any]:
+    """`envs.num_managers` EnvManager actors (async, no CPU reservation: they wait on engines and envs)."""
+    import ray
+
+    from agentrl.platform import worker_env
+
+    cls = ray.remote(EnvManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()})
+    return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]

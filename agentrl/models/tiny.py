@@ -156,10 +156,27 @@ def build_tiny_model(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     return out
 
 
+_KEYS: dict[tuple, str] = {}
+
+
+def _registered_env_ids() -> tuple[str, ...]:
+    try:
+        import gymnasium as gym
+
+        import agentrl.envs  # noqa: F401  (registers the built-in envs)
+    except Exception:
+        return ()
+    return tuple(sorted(e for e in gym.registry if e.startswith("agentrl/")))
+
+
 def _cache_key(spec: TinySpec) -> str:
-    corpus = build_corpus(spec.seed)
-    h = hashlib.sha256(json.dumps([BUILDER_VERSION, asdict(spec), corpus]).encode())
-    return h.hexdigest()[:12]
+    """Hash of the builder, the spec and the corpus text; memoised per registered-env set, because rendering
+    the corpus instantiates every env (seconds) and the trainer, engines and CLI all resolve the path."""
+    memo = (asdict(spec).__repr__(), _registered_env_ids())
+    if memo not in _KEYS:
+        corpus = build_corpus(spec.seed)
+        _KEYS[memo] = hashlib.sha256(json.dumps([BUILDER_VERSION, asdict(spec), corpus]).encode()).hexdigest()[:12]
+    return _KEYS[memo]
 
 
 def resolve_model_path(path: str, cache_dir: str = "~/.cache/agentrl/models") -> str:

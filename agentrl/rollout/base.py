@@ -7,11 +7,16 @@ so an aborted-and-resumed generation can be corrected per token in the loss.
 from __future__ import annotations
 
 import abc
+import asyncio
+import json
+import time
+from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.types import FinishReason, GenOutput, SamplingParams
 
 DrainMode = Literal["abort", "wait"]
+Completion = tuple[list[int], list[float], FinishReason]
 
 
 class EngineError(RuntimeError):
@@ -52,3 +57,112 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def stats(self) -> dict[str, Any]:
         """`in_flight` requests, `tokens_in_flight` (prompt + budget), `tokens_generated`, `version`."""
+
+
+def eos_token_ids(model_path: str) -> list[int]:
+    """EOS ids from the model dir: with skip_tokenizer_init vLLM would not know when to stop."""
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        if f.exists():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    return sorted(set(ids))
+
+
+class GatedEngine(RolloutEngine):
+    """The gate, in-flight bookkeeping, preemption and drain every backend shares; a backend supplies start,
+    one completion, abort, and the weight load.
+
+    update_weights closes the gate to new requests, preempts (or waits for) in-flight ones, loads the weights,
+    bumps the version and reopens the gate: no token is ever sampled on a mix of two versions.
+    """
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._in_flight: dict[str, int] = {}
+        self._preempting: set[str] = set()
+        self._tokens_generated = 0
+        self._requests_done = 0
+
+    @abc.abstractmethod
+    async def start(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        """Run one request on the backend; an aborted request returns its partial tokens (reason "abort")."""
+
+    @abc.abstractmethod
+    async def _abort_ids(self, request_ids: list[str]) -> None: ...
+
+    @abc.abstractmethod
+    async def _load_weights(self, source: str, version: int) -> None: ...
+
+    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
+        await self.start()
+        while not self._gate.is_set():
+            await self._gate.wait()
+        if request_id in self._in_flight:
+            raise EngineError(f"request id {request_id!r} is already in flight")
+        version = self._version
+        self._in_flight[request_id] = len(token_ids) + sampling.max_tokens
+        try:
+            ids, logprobs, reason = await self._complete(token_ids, sampling, request_id)
+        finally:
+            self._in_flight.pop(request_id, None)
+            preempted = request_id in self._preempting
+            self._preempting.discard(request_id)
+        if len(logprobs) != len(ids):
+            raise EngineError(f"request {request_id}: {len(ids)} tokens but {len(logprobs)} log-probs")
+        self._tokens_generated += len(ids)
+        self._requests_done += 1
+        return GenOutput(ids, logprobs, reason, version, preempted=preempted and reason == "abort")
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._in_flight:
+            await self._abort_ids([request_id])
+
+    async def _drain(self, mode: DrainMode) -> None:
+        """With the gate closed: preempt in-flight requests (or let them finish) and wait until none runs."""
+        if mode == "abort" and self._in_flight:
+            ids = list(self._in_flight)
+            self._preempting.update(ids)
+            await self._abort_ids(ids)
+        while self._in_flight:
+            await asyncio.sleep(0.002)
+
+    async def pause(self) -> None:
+        await self.start()
+        self._gate.clear()
+        await self._drain("abort")
+
+    async def resume(self) -> None:
+        self._gate.set()
+
+    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
+        await self.start()
+        t0 = time.perf_counter()
+        was_open = self._gate.is_set()
+        self._gate.clear()
+        try:
+            await self._drain(drain)
+            await self._load_weights(str(source), version)
+            self._version = version
+        finally:
+            if was_open:
+                self._gate.set()
+        return time.perf_counter() - t0
+
+    async def stats(self) -> dict[str, Any]:
+        return {
+            "in_flight": len(self._in_flight),
+            "tokens_in_flight": sum(self._in_flight.values()),
+            "tokens_generated": self._tokens_generated,
+            "requests_done": self._requests_done,
+            "version": self._version,
+        }
+
+    async def version(self) -> int:
+        return self._version

@@ -4,24 +4,17 @@ SGLang is CUDA-only, so it is imported lazily (inside `start`) and this module i
 format of SGLang's native `/generate` (input_ids, sampling_params, return_logprob -> output_ids,
 meta_info.output_token_logprobs, meta_info.finish_reason) is what `Engine.async_generate` returns too, so the
 mapping helpers here also serve the remote HTTP backend.
-
-`GatedEngine` holds the gate + drain bookkeeping VLLMEngine does inline (the same semantics): update_weights closes
-the gate to new requests, preempts (or waits for) in-flight ones, reloads, bumps the version, reopens the gate.
 """
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from agentrl.rollout.base import DrainMode, EngineError, RolloutEngine
-from agentrl.rollout.vllm_engine import _eos_token_ids
-from agentrl.types import FinishReason, GenOutput, SamplingParams
-
-Completion = tuple[list[int], list[float], FinishReason]
+from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
+from agentrl.types import FinishReason, SamplingParams
 
 
 def finish_reason(raw: Any) -> FinishReason:
@@ -72,99 +65,6 @@ def parse_sglang_output(out: dict[str, Any]) -> Completion:
     return ids, logprobs, finish_reason(meta.get("finish_reason"))
 
 
-class GatedEngine(RolloutEngine):
-    """In-flight bookkeeping, the pause gate and drain for engines that reach their model through a client."""
-
-    def __init__(self, version: int = 0) -> None:
-        self._version = version
-        self._gate = asyncio.Event()
-        self._gate.set()
-        self._in_flight: dict[str, int] = {}
-        self._preempting: set[str] = set()
-        self._tokens_generated = 0
-        self._requests_done = 0
-
-    @abc.abstractmethod
-    async def start(self) -> dict[str, Any]: ...
-
-    @abc.abstractmethod
-    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
-        """Run one request on the backend; an aborted request returns its partial tokens (reason "abort")."""
-
-    @abc.abstractmethod
-    async def _abort_ids(self, request_ids: list[str]) -> None: ...
-
-    @abc.abstractmethod
-    async def _load_weights(self, source: str, version: int) -> None: ...
-
-    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
-        await self.start()
-        while not self._gate.is_set():
-            await self._gate.wait()
-        if request_id in self._in_flight:
-            raise EngineError(f"request id {request_id!r} is already in flight")
-        version = self._version
-        self._in_flight[request_id] = len(token_ids) + sampling.max_tokens
-        try:
-            ids, logprobs, reason = await self._complete(token_ids, sampling, request_id)
-        finally:
-            self._in_flight.pop(request_id, None)
-            preempted = request_id in self._preempting
-            self._preempting.discard(request_id)
-        if len(logprobs) != len(ids):
-            raise EngineError(f"request {request_id}: {len(ids)} tokens but {len(logprobs)} log-probs")
-        self._tokens_generated += len(ids)
-        self._requests_done += 1
-        return GenOutput(ids, logprobs, reason, version, preempted=preempted and reason == "abort")
-
-    async def abort(self, request_id: str) -> None:
-        if request_id in self._in_flight:
-            await self._abort_ids([request_id])
-
-    async def _drain(self, mode: DrainMode) -> None:
-        """With the gate closed: preempt in-flight requests (or let them finish) and wait until none runs."""
-        if mode == "abort" and self._in_flight:
-            ids = list(self._in_flight)
-            self._preempting.update(ids)
-            await self._abort_ids(ids)
-        while self._in_flight:
-            await asyncio.sleep(0.002)
-
-    async def pause(self) -> None:
-        await self.start()
-        self._gate.clear()
-        await self._drain("abort")
-
-    async def resume(self) -> None:
-        self._gate.set()
-
-    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
-        await self.start()
-        t0 = time.perf_counter()
-        was_open = self._gate.is_set()
-        self._gate.clear()
-        try:
-            await self._drain(drain)
-            await self._load_weights(str(source), version)
-            self._version = version
-        finally:
-            if was_open:
-                self._gate.set()
-        return time.perf_counter() - t0
-
-    async def stats(self) -> dict[str, Any]:
-        return {
-            "in_flight": len(self._in_flight),
-            "tokens_in_flight": sum(self._in_flight.values()),
-            "tokens_generated": self._tokens_generated,
-            "requests_done": self._requests_done,
-            "version": self._version,
-        }
-
-    async def version(self) -> int:
-        return self._version
-
-
 class SGLangEngine(GatedEngine):
     """`sglang.Engine` in the actor's process (its scheduler runs in SGLang's own subprocesses)."""
 
@@ -195,7 +95,7 @@ class SGLangEngine(GatedEngine):
             "log_level": "error",
             **(engine_kwargs or {}),
         }
-        self._eos = _eos_token_ids(model_path)
+        self._eos = eos_token_ids(model_path)
         self._engine: Any = None
         self._start_seconds = 0.0
 

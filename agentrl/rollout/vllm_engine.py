@@ -9,29 +9,16 @@ requests, preempts (or waits for) in-flight ones, reloads, bumps the version, th
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
-from pathlib import Path
 from typing import Any
 
 from agentrl.platform import detect
-from agentrl.rollout.base import DrainMode, EngineError, RolloutEngine
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
+from agentrl.types import SamplingParams
 
 
-def _eos_token_ids(model_path: str) -> list[int]:
-    """EOS ids from the model dir: with skip_tokenizer_init vLLM would not know when to stop."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_path) / name
-        if f.exists():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
-    return sorted(set(ids))
-
-
-class VLLMEngine(RolloutEngine):
+class VLLMEngine(GatedEngine):
     def __init__(
         self,
         model_path: str,
@@ -45,6 +32,7 @@ class VLLMEngine(RolloutEngine):
         engine_kwargs: dict[str, Any] | None = None,
         version: int = 0,
     ):
+        super().__init__(version)
         self.platform = detect()
         for key, value in self.platform.vllm_env(kv_cache_gib).items():
             os.environ.setdefault(key, value)
@@ -61,14 +49,9 @@ class VLLMEngine(RolloutEngine):
             **({} if self.platform.kind == "cpu" else {"gpu_memory_utilization": gpu_memory_utilization}),
             **(engine_kwargs or {}),
         )
-        self._eos = _eos_token_ids(model_path)
+        self._eos = eos_token_ids(model_path)
         self._llm = None
-        self._version = version
-        self._gate: asyncio.Event | None = None
-        self._in_flight: dict[str, int] = {}
-        self._preempting: set[str] = set()
-        self._tokens_generated = 0
-        self._requests_done = 0
+        self._start_seconds = 0.0
 
     async def start(self) -> dict[str, Any]:
         """Build the AsyncLLM (10-20 s on CPU); idempotent."""
@@ -78,8 +61,6 @@ class VLLMEngine(RolloutEngine):
 
             t0 = time.perf_counter()
             self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
-            self._gate = asyncio.Event()
-            self._gate.set()
             self._start_seconds = time.perf_counter() - t0
         return {"start_s": self._start_seconds, "version": self._version}
 
@@ -98,16 +79,8 @@ class VLLMEngine(RolloutEngine):
             detokenize=False,
         )
 
-    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
-        if self._llm is None:
-            await self.start()
-        assert self._gate is not None
-        while not self._gate.is_set():
-            await self._gate.wait()
-        if request_id in self._in_flight:
-            raise EngineError(f"request id {request_id!r} is already in flight")
-        version = self._version
-        self._in_flight[request_id] = len(token_ids) + sampling.max_tokens
+    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+        """Stream one request to its end; an abort ends the stream with the partial tokens so far."""
         final = None
         try:
             async for out in self._llm.generate(
@@ -119,82 +92,26 @@ class VLLMEngine(RolloutEngine):
             raise
         except Exception as err:
             raise EngineError(f"vLLM failed request {request_id}: {err}") from err
-        finally:
-            self._in_flight.pop(request_id, None)
-            preempted = request_id in self._preempting
-            self._preempting.discard(request_id)
         if final is None:
             raise EngineError(f"vLLM returned no output for request {request_id}")
         comp = final.outputs[0]
         ids = list(comp.token_ids)
         logprobs = [float(d[t].logprob) for t, d in zip(ids, comp.logprobs or [], strict=False)]
-        if len(logprobs) != len(ids):
-            raise EngineError(f"request {request_id}: {len(ids)} tokens but {len(logprobs)} log-probs")
         reason = comp.finish_reason if comp.finish_reason in ("stop", "length", "abort") else "stop"
-        self._tokens_generated += len(ids)
-        self._requests_done += 1
-        return GenOutput(ids, logprobs, reason, version, preempted=preempted and reason == "abort")
+        return ids, logprobs, reason
 
-    async def abort(self, request_id: str) -> None:
-        if self._llm is not None and request_id in self._in_flight:
-            await self._llm.abort(request_id)
+    async def _abort_ids(self, request_ids: list[str]) -> None:
+        await self._llm.abort(request_ids)
 
-    async def _drain(self, mode: DrainMode) -> None:
-        """With the gate closed: preempt in-flight requests (or let them finish) and wait until none runs."""
-        if mode == "abort" and self._in_flight:
-            ids = list(self._in_flight)
-            self._preempting.update(ids)
-            await self._llm.abort(ids)
-        while self._in_flight:
-            await asyncio.sleep(0.002)
-
-    async def pause(self) -> None:
-        if self._llm is None:
-            await self.start()
-        self._gate.clear()
-        await self._drain("abort")
-
-    async def resume(self) -> None:
-        if self._gate is not None:
-            self._gate.set()
-
-    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
-        if self._llm is None:
-            await self.start()
-        t0 = time.perf_counter()
-        was_open = self._gate.is_set()
-        self._gate.clear()
-        try:
-            await self._drain(drain)
-            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(source)})
-            if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
-                await self._llm.collective_rpc("refresh_cpu_gemm")
-            await self._llm.reset_prefix_cache()
-            self._version = version
-        finally:
-            if was_open:
-                self._gate.set()
-        return time.perf_counter() - t0
+    async def _load_weights(self, source: str, version: int) -> None:
+        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
+        if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
+            await self._llm.collective_rpc("refresh_cpu_gemm")
+        await self._llm.reset_prefix_cache()
 
     async def health(self) -> dict[str, Any]:
         ok = self._llm is not None and not getattr(self._llm, "errored", False)
-        return {
-            "ok": ok,
-            "version": self._version,
-            "paused": self._gate is not None and not self._gate.is_set(),
-        }
-
-    async def stats(self) -> dict[str, Any]:
-        return {
-            "in_flight": len(self._in_flight),
-            "tokens_in_flight": sum(self._in_flight.values()),
-            "tokens_generated": self._tokens_generated,
-            "requests_done": self._requests_done,
-            "version": self._version,
-        }
-
-    async def version(self) -> int:
-        return self._version
+        return {"ok": ok, "version": self._version, "paused": not self._gate.is_set()}
 
     def shutdown(self) -> None:
         if self._llm is not None:
