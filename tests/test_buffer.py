@@ -79,6 +79,7 @@ async def test_random_finish_order_never_exceeds_the_bound(k: int) -> None:
     rng = random.Random(k)
     buf = SampleBuffer(batch_groups=4, batch_episodes=8, max_staleness=k)
     worst = 0
+    finishing: set[asyncio.Future] = set()
 
     async def producer() -> None:
         seed = 0
@@ -90,7 +91,7 @@ async def test_random_finish_order_never_exceeds_the_bound(k: int) -> None:
                 await asyncio.sleep(rng.choice([0.001, 0.002, 0.02]))
                 await buf.put(_group(s, v), 2)
 
-            asyncio.ensure_future(finish())
+            finishing.add(asyncio.ensure_future(finish()))
 
     prod = asyncio.ensure_future(producer())
     try:
