@@ -22,6 +22,22 @@ def test_defaults_validate_and_example_loads():
     assert example.async_.partial_rollout is True
 
 
+@pytest.mark.parametrize("name", ["agentic_sokoban", "sokoban_sync", "math_tools", "sokoban_cluster", "sokoban_npu"])
+def test_every_example_run_config_validates(name):
+    """The shipped examples: valid keys, registered envs, tool sets that exist, the mode each one names."""
+    from agentrl.envs import registered_env_ids
+
+    cfg = load_config(EXAMPLE.parent / f"{name}.yaml")
+    assert {s.env_id for s in [*cfg.envs.train.values(), *cfg.envs.val.values()]} <= set(registered_env_ids())
+    assert cfg.name == name
+    if name == "sokoban_sync":
+        assert cfg.async_.max_staleness == 0 and cfg.envs.sample_mode == "trajectory"
+    if name == "math_tools":
+        assert cfg.tools.sets["calculator"]["calculator"].url and cfg.envs.train["math"].tools == ["calculator"]
+    if name == "sokoban_cluster":
+        assert cfg.ray_address == "auto" and cfg.trainer.num_ranks > 1
+
+
 def test_typed_overrides_scalars_lists_and_nested():
     cfg = load_config(
         EXAMPLE,

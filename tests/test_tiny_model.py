@@ -63,6 +63,8 @@ def test_chat_template_round_trips(built):
     assert text.startswith("<|im_start|>system\nSolve it.<|im_end|>\n<|im_start|>user\n#P_#<|im_end|>\n")
     assert '<tool_response>\n{"result": 3}\n</tool_response>' in text
     assert tok.decode(tok(text)["input_ids"]) == text
+    for role in ("system", "user", "assistant"):  # role headers are one token each (every prompt repeats them)
+        assert len(tok(f"<|im_start|>{role}\n")["input_ids"]) == 3, role
     prompt = tok.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>assistant\n")
     tools = [{"type": "function", "function": {"name": "calculator", "parameters": {}}}]

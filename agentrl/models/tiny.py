@@ -15,7 +15,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Ordinary added tokens: one id each, kept by decode(skip_special_tokens=True).
 TAG_TOKENS = [
@@ -58,6 +58,8 @@ def _base_corpus(rng: random.Random) -> list[str]:
         )
         texts.append(f'<tool_response>\n{{"result": {a + b}}}\n</tool_response>')
         texts.append(f"What is {a} {op} {b}? The answer is \\boxed{{{a + b}}}.")
+    # The chat template's role headers: merged, they cost 3 tokens instead of 15 in every step-wise prompt.
+    texts += ["system\n", "user\n", "assistant\n", "tool\n"] * 200
     return texts
 
 
