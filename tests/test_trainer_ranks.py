@@ -237,3 +237,23 @@ def test_mini_batches_share_one_proximal_policy(ray_session) -> None:
     assert group.version == 4 and m["train/optimizer_steps"] == 4
     assert abs(m["train/ratio_mean"] - 1.0) > 1e-3 and m["train/clip_frac"] > 0, m
     assert m["train/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_episode_mean_weighs_every_episode_once(ray_session) -> None:
+    """Step-wise samples: episode A has 3 turns (rewarded), B and C one each. With episode_mean every episode
+    weighs 1, so at ratio 1 the GRPO advantages (which sum to 0 over episodes) cancel: pg_loss 0. token_mean
+    would give A's turns 3x the weight (pg_loss -0.57 here), the long-episode bias episode_mean removes."""
+    cfg = _cfg(1)
+    cfg.trainer.algorithm.loss_agg = "episode_mean"
+    cfg.trainer.algorithm.loss = "ppo_clip"
+    group = TrainerGroup(cfg)
+    try:
+        turns = _samples(5)
+        for s, (episode, reward) in zip(turns, [("A", 1.0)] * 3 + [("B", 0.0), ("C", 0.0)], strict=True):
+            s.episode_id, s.group_id, s.reward = episode, "g", reward
+        for s, lp in zip(turns, group.compute_logprobs(turns), strict=True):
+            s.logprobs = lp
+        m = group.train_step(turns)
+    finally:
+        group.shutdown()
+    assert m["train/pg_loss"] == pytest.approx(0.0, abs=1e-5) and m["train/grad_norm"] > 0, m

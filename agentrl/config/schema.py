@@ -141,7 +141,10 @@ class OptimConfig(Section):
 class AlgorithmConfig(Section):
     advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "step_return", "gae"] = "grpo"
     loss: Literal["decoupled_ppo", "ppo_clip"] = "decoupled_ppo"
-    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean"] = "token_mean"
+    loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "episode_mean"] = Field(
+        "token_mean",
+        description="episode_mean: every episode weighs the same however many step-wise samples (turns) it has",
+    )
     clip_low: float = Field(0.2, ge=0.0)
     clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
     dual_clip: float | None = Field(None, gt=1.0, description="dual-clip constant c (e.g. 3.0); None = off")

@@ -157,11 +157,24 @@ class TrainerRank:
         )
         return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
 
-    def _denom(self, samples: list[Sample], mine: list[int]) -> float:
-        """Global denominator of the samples in `mine` over all ranks: model tokens (token_mean) or sequences
-        with any (seq_mean_*)."""
+    def _episode_token_weights(self, samples: list[Sample]) -> list[float]:
+        """episode_mean: 1 / (model tokens of the sample's episode over the whole batch), per sample."""
+        per_episode: dict[str, int] = {}
+        for s in samples:
+            per_episode[s.episode_id] = per_episode.get(s.episode_id, 0) + sum(s.loss_mask[1:])
+        return [1.0 / max(per_episode[s.episode_id], 1) for s in samples]
+
+    def _denom(self, samples: list[Sample], mine: list[int], episode_w: list[float] | None) -> float:
+        """Global denominator of the samples in `mine` over all ranks: the sum of their token weights, i.e.
+        model tokens (token_mean), sequences with any (seq_mean_*) or episodes (episode_mean, fractional when an
+        episode's turns fall into several mini-batches)."""
         counts = [sum(samples[i].loss_mask[1:]) for i in mine]
-        local = float(sum(counts)) if self.alg.loss_agg == "token_mean" else float(sum(1 for c in counts if c))
+        if episode_w is not None:
+            local = sum(c * episode_w[i] for c, i in zip(counts, mine, strict=True))
+        elif self.alg.loss_agg == "token_mean":
+            local = float(sum(counts))
+        else:
+            local = float(sum(1 for c in counts if c))
         total = torch.tensor([local], dtype=torch.float64)
         dist.all_reduce(total)
         return float(total)
@@ -201,12 +214,15 @@ class TrainerRank:
             fields["ref"] = ref
         if values is not None:
             fields["old_values"], fields["returns"] = values, returns
+        episode_w = self._episode_token_weights(samples) if alg.loss_agg == "episode_mean" else None
+        if episode_w is not None:
+            fields["token_weight"] = {i: [episode_w[i]] * len(samples[i].token_ids) for i in mine}
         sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
         grad_norms, lrs = [], []
         self.model.train()
         for _ in range(alg.ppo_epochs):
             for part in self._mini_batches(mine, len(samples)):
-                denom = self._denom(samples, part)
+                denom = self._denom(samples, part, episode_w)
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
@@ -255,7 +271,8 @@ class TrainerRank:
         alg = self.alg
         logp, ent = forward_logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
         mask, seq = batch["loss_mask"], batch["seq_ids"]
-        w = losses.token_weights(mask, seq, alg.loss_agg)
+        # episode_mean weights come precomputed per token (they depend on the whole batch's episodes)
+        w = mask * batch["token_weight"] if "token_weight" in batch else losses.token_weights(mask, seq, alg.loss_agg)
         clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
         if alg.loss == "decoupled_ppo":
             pg, st = losses.decoupled_ppo_loss(
