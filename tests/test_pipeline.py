@@ -15,9 +15,10 @@ CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 MODES = {
     "sync": ["async.max_staleness=0", "async.partial_rollout=false"],
     "one_step_off": ["async.max_staleness=1", "async.partial_rollout=false", "envs.sample_mode=step"],
-    # + an async reward function scored by the reward workers: returns = env return + 0.5 x answer format
+    # + async reward functions scored by the reward workers: return = env return + 0.5 x answer format + 0.25 x
+    # tool-call format (1 when an episode makes no call, as here)
     "async_partial": ["async.max_staleness=2", "async.partial_rollout=true",
-                      "reward.functions=[{name: answer_format, weight: 0.5}]"],
+                      "reward.functions=[{name: answer_format, weight: 0.5}, {name: tool_call_format, weight: 0.25}]"],
 }  # fmt: skip
 
 
@@ -50,9 +51,9 @@ async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, t
     # Two-version samples depend on timing here; test_envmanager_vllm.py checks them deterministically.
     if mode == "sync":
         assert all(len(s.policy_versions) == 1 for _, samples in trained for s in samples)
-    if cfg.reward.functions:  # the reward pool scored every trained episode: its bonus is 0 or 0.5 on top
-        bonus = [round(s.reward - s.metrics["env_return"], 6) for _, samples in trained for s in samples]
-        assert set(bonus) <= {0.0, 0.5} and 0.5 in bonus, sorted(set(bonus))
+    if cfg.reward.functions:  # the reward pool scored every trained episode: its weighted bonus is on top
+        bonus = {round(s.reward - s.metrics["env_return"], 6) for _, samples in trained for s in samples}
+        assert bonus <= {0.0, 0.25, 0.5, 0.75} and max(bonus) >= 0.25, sorted(bonus)
         assert all(r["rollout/missing_rewards"] == 0 for r in rows)
     groups = [
         g for line in (tmp_path / "trained_groups.jsonl").read_text().splitlines() for g in json.loads(line)["groups"]
