@@ -8,8 +8,9 @@ Versions count trained batches (RL steps). Admission alone bounds when episodes 
 still finish after younger ones and be trained too late. So batches are taken in admission order, and a group
 admitted at version v is *due* at version v + max_staleness: the trainer waits for due groups still running (a
 straggler holds training up only after max_staleness versions of slack; with partial rollout it runs on the new
-weights meanwhile). The admission rule guarantees the due groups fit into one batch, so every token of every
-trained sample is at most `max_staleness` versions old, and finished work is never thrown away for being slow.
+weights meanwhile), and a batch takes every due group, even when that makes it larger than `batch_groups` (younger
+groups that finished first may have filled earlier batches). So every token of every trained sample is at most
+`max_staleness` versions old, and finished work is never thrown away for being slow.
 max_staleness=0 is synchronous on-policy RL: the next batch cannot start until the trainer has produced the
 version it will be sampled from, and each batch waits for all of its episodes.
 """
@@ -112,13 +113,16 @@ class SampleBuffer:
         return any(v <= self.version - self.max_staleness for v in self._running)
 
     async def get_batch(self) -> list[GroupResult]:
-        """`batch_groups` finished groups, earliest admitted first, once no due group is still running."""
+        """`batch_groups` finished groups, earliest admitted first, once no due group is still running; more when
+        more groups are due."""
         async with self._changed:
             t0 = time.perf_counter()
             await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups and not self._due_running())
             self.stats.trainer_wait_s += time.perf_counter() - t0
             self._ready.sort(key=lambda g: g.admitted_version)  # stable: arrival order within a version
-            batch, self._ready = self._ready[: self.batch_groups], self._ready[self.batch_groups :]
+            due = sum(1 for g in self._ready if g.admitted_version <= self.version - self.max_staleness)
+            n = max(self.batch_groups, due)
+            batch, self._ready = self._ready[:n], self._ready[n:]
             return batch
 
     async def set_version(self, version: int) -> None:

@@ -35,12 +35,14 @@ WORKLOAD = [
 ]
 MODES = {
     "sync": ["async.max_staleness=0", "async.partial_rollout=false"],
-    "async_partial": ["async.max_staleness=2", "async.partial_rollout=true"],
+    "async_partial": ["async.partial_rollout=true"],  # + async.max_staleness from --max-staleness
 }
 
 
-async def run_mode(mode: str, steps: int, root: Path) -> dict[str, float]:
-    cfg = load_config(None, [*WORKLOAD, *MODES[mode], f"trainer.total_steps={steps}", f"name=bench_{mode}"])
+async def run_mode(mode: str, steps: int, root: Path, max_staleness: int) -> dict[str, float]:
+    staleness = [] if mode == "sync" else [f"async.max_staleness={max_staleness}"]
+    overrides = [*WORKLOAD, *MODES[mode], *staleness, f"trainer.total_steps={steps}", f"name=bench_{mode}"]
+    cfg = load_config(None, overrides)
     pipeline = Pipeline(cfg, root / mode)
     try:
         await pipeline.run(resume_from=None)
@@ -62,12 +64,13 @@ async def run_mode(mode: str, steps: int, root: Path) -> dict[str, float]:
     }
 
 
-async def main(steps: int) -> dict:
+async def main(steps: int, max_staleness: int) -> dict:
     root = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
-    results = {mode: await run_mode(mode, steps, root) for mode in MODES}
+    results = {mode: await run_mode(mode, steps, root, max_staleness) for mode in MODES}
     sync = results["sync"]
     return {
         "steps_per_mode": steps,
+        "async_max_staleness": max_staleness,
         **{f"{mode}/{k}": round(v, 4) for mode, r in results.items() for k, v in r.items()},
         "ratio_async_over_sync": round(results["async_partial"]["samples_per_s"] / sync["samples_per_s"], 3),
         "ideal_ratio_from_sync_stages": round(
@@ -80,6 +83,7 @@ async def main(steps: int) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--max-staleness", type=int, default=4, help="of the async mode (AReaL runs use 4-8)")
     args = parser.parse_args()
     ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
-    print(json.dumps(asyncio.run(main(args.steps)), indent=2))
+    print(json.dumps(asyncio.run(main(args.steps, args.max_staleness)), indent=2))

@@ -55,6 +55,28 @@ async def test_a_straggler_is_trained_before_it_gets_too_stale() -> None:
     assert all(1 - g.admitted_version <= 1 for g in second)
 
 
+async def test_a_batch_takes_every_due_group_even_beyond_its_size() -> None:
+    """max_staleness 2, batches of 2 groups: groups 0-3 (v0) run long while younger ones fill batches v0 and v1.
+    At v2 all four are due: the batch takes all four rather than leave two to be trained 3 versions late."""
+    buf = SampleBuffer(batch_groups=2, batch_episodes=4, max_staleness=2)
+    assert await _admit_all(buf, 6) == [0] * 6
+    for seed in (4, 5):
+        await buf.put(_group(seed, 0), 2)
+    assert [g.seed for g in await asyncio.wait_for(buf.get_batch(), 1)] == [4, 5]
+    await buf.set_version(1)
+    assert await _admit_all(buf, 2) == [1, 1]
+    for seed in (6, 7):
+        await buf.put(_group(seed, 1), 2)
+    assert [g.seed for g in await asyncio.wait_for(buf.get_batch(), 1)] == [6, 7]  # nothing due yet at v1
+    await buf.set_version(2)
+    waiting = asyncio.ensure_future(buf.get_batch())
+    for seed in (0, 1, 2, 3):
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        await buf.put(_group(seed, 0), 2)
+    assert [g.seed for g in await asyncio.wait_for(waiting, 1)] == [0, 1, 2, 3]
+
+
 async def test_sync_mode_waits_for_the_whole_batch_and_filtered_groups_free_admission() -> None:
     buf = SampleBuffer(batch_groups=2, batch_episodes=4, max_staleness=0, drop_zero_variance=True)
     await _admit_all(buf, 2)
