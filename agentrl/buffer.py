@@ -62,11 +62,15 @@ class SampleBuffer:
         self.version = start_version
         # On resume, count the batches already consumed as started so the formula stays the same.
         self.started = start_version * batch_episodes if started_episodes is None else started_episodes
-        self.in_flight = 0
-        self._running: Counter[int] = Counter()  # admission version -> groups still running
+        self._running: Counter[int] = Counter()  # admission version -> episodes still running
         self._ready: list[GroupResult] = []
         self._changed = asyncio.Condition()
         self.stats = BufferStats()
+
+    @property
+    def in_flight(self) -> int:
+        """Episodes admitted and not yet put back."""
+        return sum(self._running.values())
 
     # ---- producer side ---------------------------------------------------------------------------------------
     def can_start(self, episodes: int) -> bool:
@@ -82,14 +86,12 @@ class SampleBuffer:
             if idle:
                 self.stats.rollout_blocked_s += time.perf_counter() - t0
             self.started += episodes
-            self.in_flight += episodes
-            self._running[self.version] += 1
+            self._running[self.version] += episodes
             return self.version
 
     async def put(self, group: GroupResult, planned_episodes: int) -> None:
         async with self._changed:
-            self.in_flight -= planned_episodes
-            self._running[group.admitted_version] -= 1
+            self._running[group.admitted_version] -= planned_episodes
             if self._running[group.admitted_version] <= 0:
                 del self._running[group.admitted_version]
             self.stats.groups_in += 1

@@ -7,6 +7,8 @@ tokens before t), computed from the logits at t - 1; position 0 of every sequenc
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -92,9 +94,15 @@ def shared_prefix_len(batch: dict[str, torch.Tensor], first_logit: int) -> int:
 
 
 def _accepts(model: nn.Module, arg: str) -> bool:
+    return arg in _forward_params(type(model))
+
+
+@functools.cache
+def _forward_params(cls: type) -> frozenset[str]:
+    """Parameter names of a model class's forward, inspected once per class (not per micro-batch)."""
     import inspect
 
-    return arg in inspect.signature(model.forward).parameters
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
