@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from agentrl.envmanager.manager import GroupResult
-from agentrl.types import Sample
+from agentrl.types import Group, Sample
 
 
 def admission_limit(max_staleness: int, trainer_version: int, batch_episodes: int) -> int:
@@ -34,17 +33,25 @@ def admission_limit(max_staleness: int, trainer_version: int, batch_episodes: in
 
 @dataclass
 class BufferStats:
-    groups_in: int = 0
-    groups_filtered: int = 0
-    episodes_failed: int = 0
-    rewards_missing: int = 0
+    """Running totals over every group that came back, trained or not: the one count of dropped work."""
+
+    groups_filtered: int = 0  # dropped: no samples left, or equal returns under drop_zero_variance
+    episodes_failed: int = 0  # the env or a tool crashed or timed out
+    rewards_missing: int = 0  # a reward function failed or timed out
     rollout_blocked_s: float = 0.0  # time the producer waited on admission with nothing in flight
-    trainer_wait_s: float = 0.0
-    group_metrics: list[dict[str, float]] = field(default_factory=list)
+
+    def metrics_since(self, before: BufferStats, wall_s: float) -> dict[str, float]:
+        """A step's share (since the copy `before`, over `wall_s` seconds), under the logged metric names."""
+        return {
+            "rollout/filtered_groups": float(self.groups_filtered - before.groups_filtered),
+            "rollout/failed_episodes": float(self.episodes_failed - before.episodes_failed),
+            "rollout/missing_rewards": float(self.rewards_missing - before.rewards_missing),
+            "idle/rollout": (self.rollout_blocked_s - before.rollout_blocked_s) / wall_s,
+        }
 
 
 class SampleBuffer:
-    """Groups in, batches out (oldest first). Lives on the driver's event loop next to the producer."""
+    """Groups in, batches out (earliest admitted first). Lives on the driver's event loop next to the producer."""
 
     def __init__(
         self,
@@ -63,7 +70,7 @@ class SampleBuffer:
         # On resume, count the batches already consumed as started so the formula stays the same.
         self.started = start_version * batch_episodes if started_episodes is None else started_episodes
         self._running: Counter[int] = Counter()  # admission version -> episodes still running
-        self._ready: list[GroupResult] = []
+        self._ready: list[Group] = []
         self._changed = asyncio.Condition()
         self.stats = BufferStats()
 
@@ -89,12 +96,11 @@ class SampleBuffer:
             self._running[self.version] += episodes
             return self.version
 
-    async def put(self, group: GroupResult, planned_episodes: int) -> None:
+    async def put(self, group: Group, planned_episodes: int) -> None:
         async with self._changed:
             self._running[group.admitted_version] -= planned_episodes
             if self._running[group.admitted_version] <= 0:
                 del self._running[group.admitted_version]
-            self.stats.groups_in += 1
             self.stats.episodes_failed += len(group.failures)
             self.stats.rewards_missing += len(group.missing_rewards)
             keep = bool(group.samples)
@@ -114,13 +120,11 @@ class SampleBuffer:
         """A group that must be trained in this batch (admitted max_staleness versions ago) is still running."""
         return any(v <= self.version - self.max_staleness for v in self._running)
 
-    async def get_batch(self) -> list[GroupResult]:
+    async def get_batch(self) -> list[Group]:
         """`batch_groups` finished groups, earliest admitted first, once no due group is still running; more when
         more groups are due."""
         async with self._changed:
-            t0 = time.perf_counter()
             await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups and not self._due_running())
-            self.stats.trainer_wait_s += time.perf_counter() - t0
             self._ready.sort(key=lambda g: g.admitted_version)  # stable: arrival order within a version
             due = sum(1 for g in self._ready if g.admitted_version <= self.version - self.max_staleness)
             n = max(self.batch_groups, due)
@@ -131,9 +135,6 @@ class SampleBuffer:
         async with self._changed:
             self.version = version
             self._changed.notify_all()
-
-    def ready_groups(self) -> int:
-        return len(self._ready)
 
     # ---- checkpointing ---------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:

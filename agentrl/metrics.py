@@ -1,6 +1,6 @@
 """One `log(step, metrics)` that fans out to the console, a JSONL file, TensorBoard and optional trackers.
 
-Metric names are a contract (DESIGN.md, Observability): `timing/...`, `throughput/...`, `idle/...`, etc.
+Metric names are a contract that tests and benchmarks read: `timing/...`, `throughput/...`, `idle/...`, etc.
 Optional trackers (wandb, mlflow, swanlab) are imported only when configured.
 """
 

@@ -16,6 +16,9 @@ import asyncio
 import json
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +26,23 @@ import ray
 
 from agentrl.buffer import SampleBuffer
 from agentrl.config import Config, dump_yaml
-from agentrl.envmanager.manager import GroupResult, start_managers
+from agentrl.envmanager.manager import evaluate, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.run_state import RunState, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
-from agentrl.step_metrics import batch_metrics, evaluate
+from agentrl.step_metrics import batch_metrics
 from agentrl.trainer import TrainerGroup
+from agentrl.types import Group
+
+
+@contextmanager
+def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
+    """Seconds spent in the block, into metrics[key]."""
+    t0 = time.perf_counter()
+    yield
+    metrics[key] = time.perf_counter() - t0
 
 
 class Pipeline:
@@ -53,6 +65,7 @@ class Pipeline:
         )
         self.state = RunState(schedule=TaskSchedule.for_envs(train))
         self.in_flight: dict[int, tuple[str, int]] = {}
+        self.last_val: dict[str, float] = {}
         self.tasks: set[asyncio.Future] = set()
         self.sink = MetricsSink(
             run_dir,
@@ -94,15 +107,14 @@ class Pipeline:
         try:
             result = await manager.run_group.remote(tag, seed)
         except Exception as err:  # a dead manager or engine fleet: count it, keep going
-            result = GroupResult(tag=tag, seed=seed, split="train", failures=[f"group {tag}/{seed}: {err}"])
+            result = Group(tag=tag, seed=seed, failures=[f"group {tag}/{seed}: {err}"])
         self.in_flight.pop(key, None)
         result.admitted_version = version
         await self.buffer.put(result, size)
         self.tasks = {t for t in self.tasks if not t.done()}
 
     # ---- weights ---------------------------------------------------------------------------------------------
-    async def sync_weights(self, version: int) -> float:
-        t0 = time.perf_counter()
+    async def sync_weights(self, version: int) -> None:
         path = str(self.weights_root / f"v{version}")
         await asyncio.to_thread(self.trainer.export_weights, path)
         drain = "abort" if self.cfg.async_.partial_rollout else "wait"
@@ -110,7 +122,6 @@ class Pipeline:
         for old in self.weights_root.glob("v*"):
             if old.name != f"v{version}":
                 shutil.rmtree(old, ignore_errors=True)
-        return time.perf_counter() - t0
 
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
@@ -136,55 +147,65 @@ class Pipeline:
         if resume_from is not None:
             state = self.state = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
             await self.sync_weights(state.step)
-        elif cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
-            self.sink.log(0, await self.warm_start())
-            await self.sync_weights(0)
-        if cfg.validation.every_steps and cfg.envs.val and resume_from is None:
-            state.first_val = await self.validate()
-            self.sink.log(state.step, state.first_val)
+        else:
+            if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
+                self.sink.log(0, await self.warm_start())
+                await self.sync_weights(0)
+            if self._validates():
+                state.first_val = await self.validate()
+                self.sink.log(state.step, state.first_val)
         producer = asyncio.ensure_future(self.produce())
-        last_val: dict[str, float] = {}
         try:
             while state.step < cfg.trainer.total_steps:
-                t_step = time.perf_counter()
-                blocked0 = self.buffer.stats.rollout_blocked_s
-                groups = await self.buffer.get_batch()
-                t_batch = time.perf_counter() - t_step
-                samples = [s for g in groups for s in g.samples]
-                self._record_trained(state.step + 1, groups)
-                metrics = batch_metrics(groups, samples, state.step)
-                t0 = time.perf_counter()
-                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
-                metrics["timing/train"] = time.perf_counter() - t0
-                state.step += 1
-                metrics["timing/weight_sync"] = await self.sync_weights(state.step)
-                await self.buffer.set_version(state.step)
-                if cfg.validation.every_steps and cfg.envs.val and state.step % cfg.validation.every_steps == 0:
-                    last_val = await self.validate()
-                    metrics.update(last_val)
-                if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-                    await self.save()
-                wall = time.perf_counter() - t_step
-                tokens = sum(s.num_model_tokens for s in samples)
-                metrics.update({
-                    "timing/rollout": t_batch,
-                    "timing/step": wall,
-                    "idle/trainer": t_batch / wall,
-                    "idle/rollout": (self.buffer.stats.rollout_blocked_s - blocked0) / wall,
-                    "throughput/tokens_per_s": tokens / wall,
-                    "throughput/samples_per_s": len(samples) / wall,
-                    "train/samples": float(len(samples)),
-                })  # fmt: skip
+                metrics = await self.train_step()
                 self.sink.log(state.step, metrics)
         finally:
             producer.cancel()
-        if cfg.validation.every_steps and cfg.envs.val and cfg.trainer.total_steps % cfg.validation.every_steps:
-            last_val = await self.validate()
-            self.sink.log(state.step, last_val)
+        if self._validates() and not self._validates(state.step):
+            self.last_val = await self.validate()
+            self.sink.log(state.step, self.last_val)
         await self.save()
-        return {"first": state.first_val, "last": last_val}
+        return {"first": state.first_val, "last": self.last_val}
 
-    def _record_trained(self, step: int, groups: list[GroupResult]) -> None:
+    async def train_step(self) -> dict[str, float]:
+        """One RL step: a batch from the buffer, a trainer step, the new weights to the engines, then
+        validation and a checkpoint when due."""
+        state, metrics = self.state, {}
+        t_step, stats_before = time.perf_counter(), replace(self.buffer.stats)
+        with timed(metrics, "timing/rollout"):  # the trainer's wait for a batch
+            groups = await self.buffer.get_batch()
+        samples = [s for g in groups for s in g.samples]
+        self._record_trained(state.step + 1, groups)
+        metrics.update(batch_metrics(groups, samples, state.step))
+        with timed(metrics, "timing/train"):
+            metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
+        state.step += 1
+        with timed(metrics, "timing/weight_sync"):
+            await self.sync_weights(state.step)
+        await self.buffer.set_version(state.step)
+        if self._validates(state.step):
+            self.last_val = await self.validate()
+            metrics.update(self.last_val)
+        if self.cfg.checkpoint.every_steps and state.step % self.cfg.checkpoint.every_steps == 0:
+            await self.save()
+        wall = time.perf_counter() - t_step
+        tokens = sum(s.num_model_tokens for s in samples)
+        metrics.update(self.buffer.stats.metrics_since(stats_before, wall))
+        metrics.update({
+            "timing/step": wall,
+            "idle/trainer": metrics["timing/rollout"] / wall,
+            "throughput/tokens_per_s": tokens / wall,
+            "throughput/samples_per_s": len(samples) / wall,
+            "train/samples": float(len(samples)),
+        })  # fmt: skip
+        return metrics
+
+    def _validates(self, step: int | None = None) -> bool:
+        """Whether validation runs at all (step None), or after `step`."""
+        every = self.cfg.validation.every_steps
+        return bool(every and self.cfg.envs.val) and (step is None or step % every == 0)
+
+    def _record_trained(self, step: int, groups: list[Group]) -> None:
         """Which task groups each step trained on (resume tests read it; handy to audit a run)."""
         with (self.run_dir / "trained_groups.jsonl").open("a") as f:
             f.write(json.dumps({"step": step, "groups": [f"{g.tag}/{g.seed}" for g in groups]}) + "\n")

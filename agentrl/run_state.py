@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.config.schema import EnvSpec
+from agentrl.config.schema import TrainEnvConfig
 
 
 @dataclass
@@ -26,7 +26,7 @@ class TaskSchedule:
     cursor: int = 0
 
     @classmethod
-    def for_envs(cls, train: dict[str, EnvSpec]) -> TaskSchedule:
+    def for_envs(cls, train: dict[str, TrainEnvConfig]) -> TaskSchedule:
         order = [tag for tag, spec in train.items() for _ in range(spec.groups_per_batch)]
         return cls(
             order, {t: s.seed_start for t, s in train.items()}, {t: s.groups_per_batch for t, s in train.items()}

@@ -1,27 +1,26 @@
-"""Data that crosses actor boundaries: generation results and training samples.
+"""The data agentrl's layers hand each other, in one place.
 
-Plain dataclasses of lists (no tensors) so they pickle cheaply through Ray and serialise to JSONL.
+    rollout engine --GenOutput--> env manager --Episode--> reward workers
+    env manager --Group (Samples + per-episode metrics)--> SampleBuffer --batch of Groups--> trainer (Samples)
+
+Plain dataclasses of lists (no tensors): they cross Ray by pickle for every episode, so they carry only what a
+later layer reads. A policy version counts trained batches everywhere (the warm-start weights are version 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agentrl.config.schema import SamplingConfig
+
 FinishReason = Literal["stop", "length", "abort"]
+Truncation = Literal["max_turns", "max_total_tokens", "env_truncated"]
 
 
-@dataclass
-class SamplingParams:
-    """Per-request sampling; mirrors `rollout.sampling` in the config."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int = 64
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False  # benchmarks and tests that need exact lengths
+def group_id(split: str, tag: str, seed: int) -> str:
+    """Id of the episodes rolled out on one task seed (a GRPO group); also names the task in logs."""
+    return f"{split}/{tag}/{seed}"
 
 
 @dataclass
@@ -44,12 +43,114 @@ class GenOutput:
 
 
 @dataclass
-class Sample:
-    """One training sequence: a whole episode (trajectory-wise) or one turn with its history (step-wise).
+class EpisodeSpec:
+    """What to run: one episode of env `env_id` on task `seed`, the `index`-th try of its group.
 
-    Per-token lists are aligned with `token_ids`. `loss_mask` is 1 exactly on tokens the policy generated;
-    `logprobs` and `versions` are the behaviour policy's values there (0.0 / -1 elsewhere). Samples sharing a
-    `group_id` were rolled out on the same task seed and form a GRPO group.
+    `max_turns` bounds model turns (tool-call turns included); None leaves the limit to the env's `max_steps`.
+    """
+
+    env_id: str
+    seed: int
+    tag: str
+    split: str = "train"
+    index: int = 0
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int | None = None
+    tool_sets: list[str] = field(default_factory=list)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    @property
+    def group_id(self) -> str:
+        return group_id(self.split, self.tag, self.seed)
+
+    @property
+    def episode_id(self) -> str:
+        return f"{self.group_id}/{self.index}"
+
+    def request_id(self, turn: int) -> str:
+        """The engine request id of turn `turn` (a resumed generation appends its attempt number)."""
+        return f"{self.episode_id}-t{turn}"
+
+
+@dataclass
+class Turn:
+    """One model turn: what the model saw and what it produced. Step-wise samples are built from turns."""
+
+    prompt_ids: list[int]  # the model's context this turn (the running history in trajectory mode)
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    reward: float = 0.0  # the env's reward for this turn's action (0 for a tool-call turn)
+    tool_calls: int = 0
+    resumes: int = 0  # times this turn's generation was preempted by a weight update and resumed
+
+
+@dataclass
+class Episode:
+    """A multi-turn episode as it ran: the token-exact trajectory for training, the chat for reward functions.
+
+    Per-token lists are aligned: `loss_mask` is 1 on tokens the policy generated (their behaviour `logprobs` and
+    policy `versions` are set there; 0.0 / -1 elsewhere). `task` holds task metadata from the env (such as
+    `ground_truth`); `final_answer` is the last model turn's text. `error` is set when the env or a tool crashed
+    or timed out: such an episode is counted, never trained on.
+    """
+
+    episode_id: str = ""
+    group_id: str = ""
+    env_id: str = ""
+    task: dict[str, Any] = field(default_factory=dict)
+    env_info: dict[str, Any] = field(default_factory=dict)  # what env.reset returned besides the observation
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    final_answer: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    env_return: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)  # the env's info["metrics"] after its last step
+    truncation: Truncation | None = None  # None: the env terminated the episode
+    timings: dict[str, float] = field(default_factory=lambda: {"llm": 0.0, "env": 0.0, "tool": 0.0})
+    tool_calls: int = 0
+    max_model_tokens: int = 0  # the generation budget of the turns taken (for length penalties)
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.final_answer is None:
+            for message in reversed(self.messages):
+                if message.get("role") == "assistant":
+                    self.final_answer = str(message.get("content") or "")
+                    break
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def ground_truth(self) -> Any:
+        return self.task.get("ground_truth", self.task.get("answer"))
+
+    def append(
+        self, ids: list[int], model: bool, logprobs: list[float] | None = None, versions: list[int] | None = None
+    ) -> None:
+        self.token_ids += ids
+        self.loss_mask += [1 if model else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
+
+
+@dataclass
+class Sample:
+    """One training sequence: a whole episode (trajectory-wise) or one turn with its context (step-wise).
+
+    Per-token lists are aligned with `token_ids` as in `Episode`. Samples sharing a `group_id` were rolled out
+    on the same task seed and form a GRPO group; samples sharing an `episode_id` are the turns of one episode
+    (`turn_index` orders them; None for a trajectory-wise sample). `step_rewards` are the env's per-turn rewards,
+    for per-turn returns.
     """
 
     token_ids: list[int]
@@ -61,12 +162,6 @@ class Sample:
     episode_id: str
     step_rewards: list[float] = field(default_factory=list)
     turn_index: int | None = None
-    num_turns: int = 0
-    env_tag: str = ""
-    metrics: dict[str, float] = field(default_factory=dict)
-    truncation: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
@@ -84,5 +179,21 @@ class Sample:
     def policy_versions(self) -> set[int]:
         return {v for v, m in zip(self.versions, self.loss_mask, strict=True) if m}
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+
+@dataclass
+class Group:
+    """The unit of rollout work and of training: the episodes of one task seed, as samples.
+
+    GRPO-style advantages need the whole group, so the buffer takes and hands out groups, not samples.
+    `episode_metrics` has one dict per scored episode (return, success, turns, ...); `failures` and
+    `missing_rewards` name the episodes that were dropped (a crash or timeout; a reward function that failed).
+    """
+
+    tag: str
+    seed: int
+    split: str = "train"
+    samples: list[Sample] = field(default_factory=list)
+    episode_metrics: list[dict[str, float]] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    missing_rewards: list[str] = field(default_factory=list)
+    admitted_version: int = 0  # the policy version when the buffer admitted the group

@@ -7,7 +7,7 @@ from typing import Any
 from agentrl.config.schema import Config
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.envs import make_env
-from agentrl.types import Sample
+from agentrl.types import Sample, group_id
 
 DEMO_SEED_OFFSET = 2_000_000  # disjoint from training (0...) and validation (validation.seed_start...) seeds
 
@@ -23,7 +23,7 @@ def expert_samples(cfg: Config, tokenizer: Any, episodes: int) -> list[Sample]:
         env = make_env(spec.env_id, **spec.kwargs)
         obs, _ = env.reset(seed=DEMO_SEED_OFFSET + spec.seed_start + i)
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
-        for _ in range(spec.max_turns):
+        for _ in range(spec.max_turns or env.max_steps):
             action = env.expert_action()
             if action is None:
                 break
@@ -40,9 +40,8 @@ def expert_samples(cfg: Config, tokenizer: Any, episodes: int) -> list[Sample]:
                     [0.0] * (len(prompt) + len(answer)),
                     [-1] * (len(prompt) + len(answer)),
                     reward=0.0,
-                    group_id=f"demo/{tag}/{i}",
-                    episode_id=f"demo/{tag}/{i}",
-                    env_tag=tag,
+                    group_id=group_id("demo", tag, i),
+                    episode_id=group_id("demo", tag, i),
                 )
             )
             obs, _, terminated, truncated, _ = env.step(action)

@@ -25,7 +25,6 @@ WORKLOAD = [
     "envs.train={lt: {env_id: agentrl/LongTail-v0, max_turns: 12, group_size: 4, groups_per_batch: 4,"
     " kwargs: {latency_s: 0.05, latency_tail: 1.2, median_turns: 2, max_steps: 12}}}",
     "envs.val={}",
-    "envs.max_tokens_per_turn=16",
     "envs.env_threads=64",
     "rollout.sampling.max_tokens=16",
     "trainer.sft.enabled=false",

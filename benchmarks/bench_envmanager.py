@@ -15,10 +15,11 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from agentrl.envmanager.episode import EpisodeRunner, EpisodeSpec, Limits
+from agentrl.config.schema import EnvsConfig, ToolsConfig
+from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envs import make_env
 from agentrl.models.tiny import resolve_model_path
-from agentrl.types import GenOutput
+from agentrl.types import EpisodeSpec, GenOutput
 
 
 class ScriptedEngine:
@@ -32,7 +33,7 @@ class ScriptedEngine:
         env = self.envs.get(episode_id)
         if env is None:
             env = self.envs[episode_id] = make_env("agentrl/SimpleSokoban-v0")
-            env.reset(seed=int(episode_id.split("/")[1]))
+            env.reset(seed=int(episode_id.split("/")[-2]))
         action = env.expert_action()
         env.step(action)
         out = [*self.tok(action, add_special_tokens=False)["input_ids"], self.tok.eos_token_id]
@@ -43,7 +44,7 @@ class ScriptedEngine:
 
 
 def _spec(seed: int) -> EpisodeSpec:
-    return EpisodeSpec("agentrl/SimpleSokoban-v0", seed, "s", f"g/{seed}", f"e/{seed}/0", max_turns=15)
+    return EpisodeSpec("agentrl/SimpleSokoban-v0", seed, "s", max_turns=15)
 
 
 def _env_step_seconds(episodes: int) -> float:
@@ -70,7 +71,9 @@ async def main(engine_ms: float, episodes: int, concurrent: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
     engine = ScriptedEngine(tok, engine_ms / 1000)
-    runner = EpisodeRunner(tok, engine, lambda i, k: make_env(i, **k), Limits(), ThreadPoolExecutor(4))
+    runner = EpisodeRunner(
+        tok, engine, lambda i, k: make_env(i, **k), EnvsConfig(), ToolsConfig(), ThreadPoolExecutor(4)
+    )
     await runner.run(_spec(10_000))  # warm-up
     t0, engine.work_s, engine.call_s = time.perf_counter(), 0.0, 0.0
     turns = 0

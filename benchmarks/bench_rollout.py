@@ -48,9 +48,9 @@ async def _raw_round(llm: Any, prompts: list[list[int]], tokens: int, tag: str) 
 
 
 async def _ray_round(router: Any, prompts: list[list[int]], tokens: int, tag: str) -> tuple[int, float]:
-    from agentrl.types import SamplingParams
+    from agentrl.config.schema import SamplingConfig
 
-    sampling = SamplingParams(temperature=1.0, max_tokens=tokens, ignore_eos=True)
+    sampling = SamplingConfig(temperature=1.0, max_tokens=tokens, ignore_eos=True)
     t0 = time.perf_counter()
     outs = await asyncio.gather(
         *(router.generate.remote(f"{tag}-ep{i}", p, sampling, f"{tag}-{i}") for i, p in enumerate(prompts))

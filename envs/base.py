@@ -1,8 +1,8 @@
 """`TextEnv`: the gymnasium-style text env contract every agentrl env implements.
 
 Why a base class: the env owns its prompt text, action parsing, format penalty, turn limit and metrics, so the
-env manager can stay generic (DESIGN.md). Subclasses implement a handful of `_hooks` on canonical actions and
-never see raw model output.
+env manager can stay generic and run every env the same way. Subclasses implement a handful of `_hooks` on
+canonical actions and never see raw model output.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Turn model output text into action strings: the env, not the env manager, owns this (see DESIGN.md).
+"""Turn model output text into action strings: the env, not the env manager, owns this (the manager is generic).
 
 One small class so every env parses the same way and the answer format is configurable in one place.
 """

@@ -90,11 +90,11 @@ def _prompt_ids(model_path: str, prompt: str) -> list[int]:
 async def _ask_router(router: Any, model_path: str, prompt: str, max_tokens: int, temperature: float) -> str:
     import ray
 
-    from agentrl.types import SamplingParams
+    from agentrl.config.schema import SamplingConfig
 
     ids = await asyncio.to_thread(_prompt_ids, model_path, prompt)
     judge_id = f"judge-{uuid.uuid4().hex[:12]}"
-    sampling = SamplingParams(temperature=temperature, max_tokens=max_tokens)
+    sampling = SamplingConfig(temperature=temperature, max_tokens=max_tokens)
     ref = router.generate.remote(judge_id, ids, sampling, judge_id)
     try:
         out = await ref

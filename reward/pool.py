@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from enum import Enum
 from typing import Any
 
 from agentrl.config.schema import RewardConfig, RewardFnSpec
@@ -23,9 +24,32 @@ from agentrl.reward.types import Episode, FnOutput, RewardContext, RewardResult
 THREADS_PER_WORKER = 64  # sync reward functions run in threads; sleeping/IO-bound ones overlap up to this
 
 
-def _reason_kind(reason: str) -> str:
-    """'timeout after 2s' -> 'timeout'; 'error: ValueError: ...' -> 'error'."""
-    return reason.split(":", 1)[0].split(" ", 1)[0]
+class MissingKind(str, Enum):
+    """Why a reward function has no score; `RewardPool.stats()` counts missing calls by these values."""
+
+    TIMEOUT = "timeout"
+    ERROR = "error"
+
+
+class Missing(str):
+    """The reason a function has no score. It is its readable text ("timeout after 2s", "error: ValueError: ..."),
+    so `RewardResult.missing` reads and compares as plain strings, and it carries its `kind` for the counters."""
+
+    kind: MissingKind
+
+    def __new__(cls, kind: MissingKind, text: str) -> Missing:
+        self = super().__new__(cls, text)
+        self.kind = kind
+        return self
+
+    def __reduce__(self) -> tuple[type, tuple[MissingKind, str]]:
+        """Results cross Ray actors pickled; keep the kind (str's own reduce would rebuild it from the text)."""
+        return type(self), (self.kind, str(self))
+
+
+def _kind(reason: str) -> MissingKind:
+    """A reason this module did not make (plain text) counts as an error."""
+    return reason.kind if isinstance(reason, Missing) else MissingKind.ERROR
 
 
 class RewardWorker:
@@ -39,7 +63,7 @@ class RewardWorker:
         uses_processes = any(spec.isolation == "process" for spec in cfg.functions)
         self.processes = ProcessSlots(cfg.process_slots) if uses_processes else None
 
-    async def _one(self, spec: RewardFnSpec, episode: Episode) -> FnOutput | str:
+    async def _one(self, spec: RewardFnSpec, episode: Episode) -> FnOutput | Missing:
         """The function's output, or the reason it is missing."""
         try:
             if spec.isolation == "process" and self.processes is not None:
@@ -47,9 +71,9 @@ class RewardWorker:
             call = call_reward(self.fns[spec.key], episode, spec.kwargs, self.context, spec.key, self.threads)
             return await asyncio.wait_for(call, spec.timeout_s)
         except (asyncio.TimeoutError, TimeoutError):
-            return f"timeout after {spec.timeout_s:g}s"
+            return Missing(MissingKind.TIMEOUT, f"timeout after {spec.timeout_s:g}s")
         except Exception as err:
-            return f"error: {type(err).__name__}: {err}"[:500]
+            return Missing(MissingKind.ERROR, f"error: {type(err).__name__}: {err}"[:500])
 
     async def score(self, episode: Episode) -> RewardResult:
         start = time.perf_counter()
@@ -57,7 +81,7 @@ class RewardWorker:
         result = RewardResult(score=None, episode_id=episode.episode_id)
         total = 0.0
         for spec, out in zip(self.cfg.functions, outputs, strict=True):
-            if isinstance(out, str):
+            if isinstance(out, Missing):
                 result.missing[spec.key] = out
                 continue
             result.components[spec.key] = out.score
@@ -120,9 +144,11 @@ class RewardPool:
             try:
                 result = await asyncio.wait_for(self._call(index, episode), self.cfg.timeout_s)
             except (asyncio.TimeoutError, TimeoutError):
-                result = self._all_missing(episode, f"timeout: episode not scored within {self.cfg.timeout_s:g}s")
+                reason = Missing(MissingKind.TIMEOUT, f"timeout: episode not scored within {self.cfg.timeout_s:g}s")
+                result = self._all_missing(episode, reason)
             except Exception as err:  # a dead worker, a pickling problem: still an answer, never a hang
-                result = self._all_missing(episode, f"error: worker {index}: {type(err).__name__}: {err}"[:500])
+                reason = Missing(MissingKind.ERROR, f"error: worker {index}: {type(err).__name__}: {err}"[:500])
+                result = self._all_missing(episode, reason)
             finally:
                 self._load[index] -= 1
                 self._in_flight -= 1
@@ -134,7 +160,7 @@ class RewardPool:
         worker = self._workers[index]
         return await (worker.score(episode) if self.local else worker.score.remote(episode))
 
-    def _all_missing(self, episode: Episode, reason: str) -> RewardResult:
+    def _all_missing(self, episode: Episode, reason: Missing) -> RewardResult:
         return RewardResult(None, missing={s.key: reason for s in self.cfg.functions}, episode_id=episode.episode_id)
 
     def _count(self, result: RewardResult) -> None:
@@ -142,7 +168,7 @@ class RewardPool:
         self._complete += int(result.score is not None)
         for key, reason in result.missing.items():
             self._missing_by_fn[key] += 1
-            self._missing_by_reason[_reason_kind(reason)] += 1
+            self._missing_by_reason[_kind(reason).value] += 1
 
     @property
     def in_queue(self) -> int:

@@ -1,4 +1,5 @@
-"""What a reward function sees (`Episode`) and what the pool returns (`RewardResult`).
+"""What reward functions return (`FnOutput`), may receive (`RewardContext`), and what the pool returns
+(`RewardResult`). Reward functions score an `agentrl.types.Episode`.
 
 Plain dataclasses: they cross Ray and subprocess boundaries by pickle, cheaply.
 """
@@ -8,35 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Episode:
-    """A finished episode as reward functions see it.
-
-    `messages` is the chat (system/user/assistant/tool dicts with "role" and "content"); `final_answer` is the
-    last assistant message's text when the env manager does not set it; `task` holds task metadata such as
-    `ground_truth`; `num_model_tokens` / `max_model_tokens` feed length penalties.
-    """
-
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    final_answer: str | None = None
-    env_id: str = ""
-    env_info: dict[str, Any] = field(default_factory=dict)
-    task: dict[str, Any] = field(default_factory=dict)
-    num_model_tokens: int = 0
-    max_model_tokens: int = 0
-    episode_id: str = ""
-
-    def __post_init__(self) -> None:
-        if self.final_answer is None:
-            for message in reversed(self.messages):
-                if message.get("role") == "assistant":
-                    self.final_answer = str(message.get("content") or "")
-                    break
-
-    @property
-    def ground_truth(self) -> Any:
-        return self.task.get("ground_truth", self.task.get("answer"))
+from agentrl.types import Episode  # noqa: F401  (until every importer takes it from agentrl.types)
 
 
 @dataclass

@@ -8,15 +8,14 @@ import asyncio
 import pytest
 
 from agentrl.buffer import SampleBuffer
-from agentrl.envmanager.manager import GroupResult
-from agentrl.types import Sample
+from agentrl.types import Group, Sample
 
 
-def _group(seed: int, version: int, size: int = 2) -> GroupResult:
+def _group(seed: int, version: int, size: int = 2) -> Group:
     samples = [
         Sample([1, 2], [0, 1], [0.0, -1.0], [version] * 2, float(i), f"g{seed}", f"e{seed}/{i}") for i in range(size)
     ]
-    return GroupResult(tag="t", seed=seed, split="train", samples=samples, admitted_version=version)
+    return Group(tag="t", seed=seed, split="train", samples=samples, admitted_version=version)
 
 
 async def _admit_all(buf: SampleBuffer, n: int) -> list[int]:

@@ -25,9 +25,11 @@ def test_defaults_validate_and_example_loads():
 @pytest.mark.parametrize("name", ["agentic_sokoban", "sokoban_sync", "math_tools", "sokoban_cluster", "sokoban_npu"])
 def test_every_example_run_config_validates(name):
     """The shipped examples: valid keys, registered envs, tool sets that exist, the mode each one names."""
+    from agentrl.envmanager.manager import check_turn_limits
     from agentrl.envs import registered_env_ids
 
     cfg = load_config(EXAMPLE.parent / f"{name}.yaml")
+    check_turn_limits(cfg)
     assert {s.env_id for s in [*cfg.envs.train.values(), *cfg.envs.val.values()]} <= set(registered_env_ids())
     assert cfg.name == name
     if name == "sokoban_sync":
@@ -99,6 +101,31 @@ def test_bad_yaml_keys_and_cross_section_checks(tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_each_setting_has_one_home(tmp_path):
+    """Settings that used to live in two places, or could not apply, are errors that say where they live."""
+    from agentrl.envmanager.manager import check_turn_limits
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("envs:\n  max_tokens_per_turn: 12\n")
+    with pytest.raises(ConfigError, match=r"envs: max_tokens_per_turn moved to rollout\.sampling\.max_tokens"):
+        load_config(bad)
+    bad.write_text("envs:\n  val:\n    s: {env_id: agentrl/SimpleSokoban-v0, group_size: 4}\n")
+    with pytest.raises(ConfigError, match=r"envs\.val\.s\.group_size: unknown key"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match=r"envs\.train\.sokoban\.max_turns: 20 exceeds the env's max_steps \(15\)"):
+        check_turn_limits(load_config(None, ["envs.train.sokoban.max_turns=20"]))
+    check_turn_limits(load_config(None, ["envs.train.sokoban.max_turns=20", "+envs.train.sokoban.kwargs.max_steps=20"]))
+
+
+def test_validation_sampling_changes_only_what_it_sets():
+    cfg = load_config(EXAMPLE, ["rollout.sampling.max_tokens=9", "rollout.sampling.top_p=0.9"])
+    val = cfg.rollout.sampling_for("val")
+    assert (val.max_tokens, val.top_p, val.temperature) == (9, 0.9, 0.0)
+    assert cfg.rollout.sampling_for("train") == cfg.rollout.sampling
+    cfg = load_config(EXAMPLE, ["rollout.val_sampling.temperature=0.5", "rollout.val_sampling.max_tokens=4"])
+    assert (cfg.rollout.sampling_for("val").temperature, cfg.rollout.sampling_for("val").max_tokens) == (0.5, 4)
 
 
 def test_dump_round_trips():

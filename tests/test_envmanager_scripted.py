@@ -11,12 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from agentrl.config.schema import ToolsConfig, ToolSpec
-from agentrl.envmanager.episode import EpisodeRunner, EpisodeSpec, Limits
+from agentrl.config.schema import EnvsConfig, SamplingConfig, ToolsConfig, ToolSpec
+from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import to_samples
 from agentrl.envs import make_env, register_env
 from agentrl.envs.sokoban.env import SokobanEnv
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.types import EpisodeSpec, GenOutput
 
 
 class FlakySokoban(SokobanEnv):
@@ -75,12 +75,14 @@ def _expert_script():
     return script
 
 
-def _runner(tokenizer, engine, **limits) -> EpisodeRunner:
-    return EpisodeRunner(tokenizer, engine, lambda i, k: make_env(i, **k), Limits(**limits), ThreadPoolExecutor(4))
+def _runner(tokenizer, engine, **envs) -> EpisodeRunner:
+    return EpisodeRunner(
+        tokenizer, engine, lambda i, k: make_env(i, **k), EnvsConfig(**envs), ToolsConfig(), ThreadPoolExecutor(4)
+    )
 
 
 def _spec(seed: int, env_id: str = "agentrl/SimpleSokoban-v0", **kw) -> EpisodeSpec:
-    return EpisodeSpec(env_id, seed, "sokoban", f"g/{seed}", f"e/{seed}/0", max_turns=15, **kw)
+    return EpisodeSpec(env_id, seed, "sokoban", max_turns=15, **kw)
 
 
 async def test_token_exact_history_and_mask(tokenizer):
@@ -96,7 +98,7 @@ async def test_token_exact_history_and_mask(tokenizer):
     assert all(v == 0 for v, m in zip(ep.versions, ep.loss_mask, strict=True) if m)
     assert all(v == -1 and lp == 0.0 for v, lp, m in zip(ep.versions, ep.logprobs, ep.loss_mask, strict=True) if not m)
     (sample,) = to_samples(ep, ep.env_return, "trajectory")
-    assert sample.reward == pytest.approx(sum(t.reward for t in ep.turns)) and sample.truncation is None
+    assert sample.reward == pytest.approx(sum(t.reward for t in ep.turns)) and ep.truncation is None
     assert sample.step_rewards[-1] > 10  # the solve bonus lands on the last turn
 
 
@@ -118,9 +120,7 @@ async def test_step_wise_samples_and_history_window(tokenizer):
 
 async def test_limits_name_the_truncation(tokenizer):
     wander = ScriptedEngine(tokenizer, lambda e, p: "<answer>Up</answer>")
-    ep = await _runner(tokenizer, wander).run(
-        EpisodeSpec("agentrl/SimpleSokoban-v0", 3, "s", "g", "e/3/0", max_turns=2)
-    )
+    ep = await _runner(tokenizer, wander).run(EpisodeSpec("agentrl/SimpleSokoban-v0", 3, "s", max_turns=2))
     assert ep.truncation == "max_turns" and len(ep.turns) == 2
     ep = await _runner(tokenizer, wander, max_total_tokens=200).run(_spec(3))
     assert ep.truncation == "max_total_tokens" and len(ep.token_ids) <= 200
@@ -151,12 +151,13 @@ async def test_tool_calls_run_concurrently_and_errors_reach_the_model(tokenizer)
         tokenizer,
         ScriptedEngine(tokenizer, script),
         lambda i, k: make_env(i, **k),
-        Limits(max_tokens_per_turn=128, max_calls_per_turn=4),
+        EnvsConfig(),
+        ToolsConfig(max_calls_per_turn=4),
         ThreadPoolExecutor(2),
         toolboxes={("calc",): build_toolbox(toolbox_cfg, ["calc"])},
         tool_parser=parse_tool_calls,
     )
-    ep = await runner.run(_spec(5, tool_sets=["calc"], sampling=SamplingParams(max_tokens=128)))
+    ep = await runner.run(_spec(5, tool_sets=["calc"], sampling=SamplingConfig(max_tokens=128)))
     assert ep.error is None and ep.tool_calls == 3
     tool_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
     assert len(tool_msgs) == 3 and "42" in tool_msgs[0]

@@ -9,10 +9,10 @@ import ray
 import torch
 
 from agentrl.config import load_config
-from agentrl.envmanager.episode import EpisodeSpec
+from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.manager import EnvManager
 from agentrl.envs import make_env
-from agentrl.types import SamplingParams
+from agentrl.types import EpisodeSpec
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>'
 TOOLS = "+tools.sets.calc={calculator: {python: 'agentrl.tools.calculator:calculator'}}"
@@ -60,7 +60,7 @@ async def test_math_env_tool_calls_through_real_engine(vllm_fleet, tiny_model_pa
     from agentrl.tools import build_toolbox
 
     _, engines, router = vllm_fleet
-    overrides = [TOOLS, "envs.max_tokens_per_turn=48", "tools.max_calls_per_turn=2",
+    overrides = [TOOLS, "rollout.sampling.max_tokens=48", "tools.max_calls_per_turn=2",
                  "+envs.train.math={env_id: agentrl/MathTool-v0, tools: [calc], max_turns: 3}"]  # fmt: skip
     cfg = load_config(None, overrides)
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
@@ -70,9 +70,11 @@ async def test_math_env_tool_calls_through_real_engine(vllm_fleet, tiny_model_pa
     await router.update_weights.remote(taught, version)
     manager = ray.remote(EnvManager).remote(cfg, tiny_model_path, router)
     try:
-        greedy = SamplingParams(max_tokens=48, temperature=0.0)
-        specs = [EpisodeSpec("agentrl/MathTool-v0", s, "math", f"m{s}", f"math/{s}/0", max_turns=3, tool_sets=["calc"],
-                             sampling=greedy) for s in range(4)]  # fmt: skip
+        greedy = SamplingConfig(max_tokens=48, temperature=0.0)
+        specs = [
+            EpisodeSpec("agentrl/MathTool-v0", s, "math", max_turns=3, tool_sets=["calc"], sampling=greedy)
+            for s in range(4)
+        ]
         episodes = [await manager.run_episode.remote(spec) for spec in specs]
     finally:
         ray.kill(manager)

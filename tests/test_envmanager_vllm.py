@@ -12,25 +12,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agentrl.config import load_config
-from agentrl.envmanager.episode import EpisodeSpec
+from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.manager import EnvManager
-from agentrl.types import SamplingParams
+from agentrl.types import EpisodeSpec
 
 
 @pytest.fixture(scope="module")
 def manager(vllm_fleet, tiny_model_path):
     _, _, router = vllm_fleet
-    cfg = load_config(None, ["envs.max_tokens_per_turn=400", "envs.max_total_tokens=4000"])
+    cfg = load_config(None, ["rollout.sampling.max_tokens=400", "envs.max_total_tokens=4000"])
     handle = ray.remote(EnvManager).options(max_concurrency=1000).remote(cfg, tiny_model_path, router)
     yield handle
     ray.kill(handle)
 
 
 def _spec(seed: int, max_tokens: int, ignore_eos: bool = False) -> EpisodeSpec:
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=ignore_eos)
-    return EpisodeSpec(
-        "agentrl/SimpleSokoban-v0", seed, "sokoban", f"g{seed}", f"ep/{seed}/0", max_turns=3, sampling=sampling
-    )
+    sampling = SamplingConfig(max_tokens=max_tokens, temperature=1.0, ignore_eos=ignore_eos)
+    return EpisodeSpec("agentrl/SimpleSokoban-v0", seed, "sokoban", max_turns=3, sampling=sampling)
 
 
 async def test_multi_turn_sokoban_is_token_exact(manager, tiny_model_path):

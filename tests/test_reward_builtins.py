@@ -116,16 +116,16 @@ def test_tool_call_format() -> None:
     [(0, 0.0), (768, 0.0), (769, -1 / 256), (896, -0.5), (1024, -1.0), (1025, -1.0), (5000, -1.0)],
 )
 def test_overlong_penalty_dapo_buffer(length: int, penalty: float) -> None:
-    episode = Episode(num_model_tokens=length, max_model_tokens=1024)
+    episode = Episode(loss_mask=[1] * length, max_model_tokens=1024)
     assert overlong_penalty(episode, buffer=256) == pytest.approx(penalty)
 
 
 def test_overlong_penalty_kwarg_limit_and_zero_buffer() -> None:
-    assert overlong_penalty(Episode(num_model_tokens=90), max_tokens=100, buffer=20) == pytest.approx(-0.5)
-    assert overlong_penalty(Episode(num_model_tokens=100), max_tokens=100, buffer=0) == 0.0
-    assert overlong_penalty(Episode(num_model_tokens=101), max_tokens=100, buffer=0) == -1.0
+    assert overlong_penalty(Episode(loss_mask=[1] * 90), max_tokens=100, buffer=20) == pytest.approx(-0.5)
+    assert overlong_penalty(Episode(loss_mask=[1] * 100), max_tokens=100, buffer=0) == 0.0
+    assert overlong_penalty(Episode(loss_mask=[1] * 101), max_tokens=100, buffer=0) == -1.0
     with pytest.raises(ValueError):
-        overlong_penalty(Episode(num_model_tokens=5))
+        overlong_penalty(Episode(loss_mask=[1] * 5))
 
 
 def test_episode_final_answer_defaults_to_last_assistant_message() -> None:

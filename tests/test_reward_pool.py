@@ -11,6 +11,7 @@ import pytest
 
 from agentrl.config.schema import RewardConfig, RewardFnSpec
 from agentrl.reward import Episode, FnOutput, RewardPool, RewardResult, combine
+from agentrl.reward.pool import MissingKind
 
 HERE = "tests.test_reward_pool"
 _live = {"now": 0, "max": 0}
@@ -83,6 +84,7 @@ async def test_failure_and_timeout_are_missing_not_zero() -> None:
     assert result.score is None and result.components == {"math_verify": 1.0}
     assert result.missing[f"{HERE}:failing_reward"] == "error: RuntimeError: verifier crashed"
     assert result.missing[f"{HERE}:sometimes_hangs"] == "timeout after 0.2s"
+    assert result.missing[f"{HERE}:sometimes_hangs"].kind is MissingKind.TIMEOUT
     stats = pool.stats()
     assert stats["missing_by_reason"] == {"error": 1, "timeout": 1} and stats["incomplete"] == 1
     pool.shutdown()

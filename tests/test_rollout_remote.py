@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -14,9 +15,9 @@ import time
 import httpx
 import pytest
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import EngineError, RetryableEngineError
-from agentrl.rollout.remote_engine import RemoteEngine
-from agentrl.types import SamplingParams
+from agentrl.rollout.remote_engine import RejectedError, RemoteEngine
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -98,7 +99,7 @@ async def test_sglang_flavor_mapping():
     server = FakeServer("sglang")
     engine = _engine(server)
     assert (await engine.start())["flavor"] == "sglang"
-    out = await engine.generate(PROMPT, SamplingParams(max_tokens=4, top_k=5, seed=9), "s1")
+    out = await engine.generate(PROMPT, SamplingConfig(max_tokens=4, top_k=5, seed=9), "s1")
     path, body = server.requests[-1]
     assert path == "/generate" and body["input_ids"] == PROMPT and body["rid"] == "s1" and body["return_logprob"]
     assert body["sampling_params"]["max_new_tokens"] == 4 and body["sampling_params"]["top_k"] == 5
@@ -107,14 +108,14 @@ async def test_sglang_flavor_mapping():
     assert out.finish_reason == "length" and out.version == 0
 
     server.hold = True
-    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_tokens=50), "s2"))
+    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingConfig(max_tokens=50), "s2"))
     await asyncio.sleep(0.05)
     await engine.update_weights("/snap/v1", 1)
     pre = await asyncio.wait_for(task, 5)
     assert pre.preempted and pre.finish_reason == "abort" and pre.token_ids == [100, 101, 102] and pre.version == 0
     assert ("/update_weights_from_disk", {"model_path": "/snap/v1"}) in server.requests
     server.hold = False
-    assert (await engine.generate(PROMPT, SamplingParams(max_tokens=1), "s3")).version == 1
+    assert (await engine.generate(PROMPT, SamplingConfig(max_tokens=1), "s3")).version == 1
     with pytest.raises(EngineError, match="bad dir"):
         await engine.update_weights("/snap/bad", 2)
     assert (await engine.stats())["version"] == 1
@@ -125,7 +126,7 @@ async def test_vllm_generate_flavor_mapping_and_abort_returns_partial_tokens():
     engine = _engine(server)
     await engine.start()
     assert engine.flavor == "vllm"
-    out = await engine.generate(PROMPT, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "v1")
+    out = await engine.generate(PROMPT, SamplingConfig(max_tokens=3, temperature=0.0, ignore_eos=True), "v1")
     path, body = server.requests[-1]
     assert path == "/inference/v1/generate" and body["token_ids"] == PROMPT and body["request_id"] == "v1"
     sp = body["sampling_params"]
@@ -133,7 +134,7 @@ async def test_vllm_generate_flavor_mapping_and_abort_returns_partial_tokens():
     assert out.token_ids == [100, 101, 102] and len(out.logprobs) == 3
 
     server.hold = True
-    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_tokens=50), "v2"))
+    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingConfig(max_tokens=50), "v2"))
     await asyncio.sleep(0.05)
     await engine.abort("v2")
     part = await asyncio.wait_for(task, 5)
@@ -154,14 +155,14 @@ async def test_openai_flavor_mapping_and_abort_cancels():
     engine = _engine(server)
     await engine.start()
     assert engine.flavor == "openai" and engine.model == "tiny"
-    out = await engine.generate(PROMPT, SamplingParams(max_tokens=2, stop_token_ids=[3]), "o1")
+    out = await engine.generate(PROMPT, SamplingConfig(max_tokens=2, stop_token_ids=[3]), "o1")
     path, body = server.requests[-1]
     assert path == "/v1/completions" and body["prompt"] == PROMPT and body["model"] == "tiny"
     assert body["return_tokens_as_token_ids"] is True and body["logprobs"] == 0 and body["stop_token_ids"] == [3]
     assert out.token_ids == [100, 101] and out.logprobs == [-0.25, -0.5]
 
     server.hold = True
-    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_tokens=50), "o2"))
+    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingConfig(max_tokens=50), "o2"))
     await asyncio.sleep(0.05)
     await engine.abort("o2")
     part = await asyncio.wait_for(task, 5)
@@ -179,10 +180,13 @@ async def test_http_errors_map_to_engine_errors():
 
     engine = RemoteEngine("http://fake:1", flavor="openai", transport=httpx.MockTransport(handler))
     with pytest.raises(EngineError, match="prompt too long") as err:
-        await engine.generate([1], SamplingParams(max_tokens=1), "e1")
+        await engine.generate([1], SamplingConfig(max_tokens=1), "e1")
     assert not isinstance(err.value, RetryableEngineError)
+    assert isinstance(err.value, RejectedError) and err.value.status == 400
+    again = pickle.loads(pickle.dumps(err.value))  # errors cross Ray actors pickled
+    assert again.status == 400 and str(again) == str(err.value)
     with pytest.raises(RetryableEngineError, match="overloaded"):
-        await engine.generate([2], SamplingParams(max_tokens=1), "e2")
+        await engine.generate([2], SamplingConfig(max_tokens=1), "e2")
 
 
 def _free_port() -> int:
@@ -242,12 +246,12 @@ async def test_real_vllm_server_token_in_token_out(vllm_server, flavor):
     engine = RemoteEngine(vllm_server, flavor=flavor, request_timeout_s=60)
     await engine.start()
     assert engine.flavor == ("vllm" if flavor == "auto" else "openai")
-    sampling = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True, seed=1)
+    sampling = SamplingConfig(max_tokens=16, temperature=1.0, ignore_eos=True, seed=1)
     outs = await asyncio.gather(*(engine.generate([*PROMPT, i], sampling, f"{flavor}-{i}") for i in range(4)))
     for out in outs:
         assert len(out.token_ids) == 16 and len(out.logprobs) == 16 and out.finish_reason == "length"
         assert all(isinstance(t, int) and t >= 0 for t in out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
-    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    greedy = SamplingConfig(max_tokens=8, temperature=0.0, ignore_eos=True)
     assert (await engine.generate(PROMPT, greedy, "g1")).token_ids == (
         await engine.generate(PROMPT, greedy, "g2")
     ).token_ids
@@ -256,7 +260,7 @@ async def test_real_vllm_server_token_in_token_out(vllm_server, flavor):
 
 async def test_real_vllm_server_abort_and_weight_reload(vllm_server, tiny_model_path):
     engine = RemoteEngine(vllm_server, request_timeout_s=60)
-    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingParams(max_tokens=1900, ignore_eos=True), "long"))
+    task = asyncio.ensure_future(engine.generate(PROMPT, SamplingConfig(max_tokens=1900, ignore_eos=True), "long"))
     await asyncio.sleep(1.0)
     await engine.abort("long")
     part = await asyncio.wait_for(task, 30)
@@ -264,7 +268,7 @@ async def test_real_vllm_server_abort_and_weight_reload(vllm_server, tiny_model_
         part.finish_reason == "abort" and 0 < len(part.token_ids) < 1900 and len(part.logprobs) == len(part.token_ids)
     )
     assert await engine.update_weights(tiny_model_path, 1) < 30
-    assert (await engine.generate(PROMPT, SamplingParams(max_tokens=2), "after")).version == 1
+    assert (await engine.generate(PROMPT, SamplingConfig(max_tokens=2), "after")).version == 1
     await engine.aclose()
 
 
@@ -272,6 +276,6 @@ async def test_dead_server_is_retryable_quickly():
     engine = RemoteEngine(f"http://127.0.0.1:{_free_port()}", flavor="vllm", start_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(RetryableEngineError):
-        await engine.generate(PROMPT, SamplingParams(max_tokens=4), "dead")
+        await engine.generate(PROMPT, SamplingConfig(max_tokens=4), "dead")
     assert time.monotonic() - t0 < 5
     assert (await engine.health())["ok"] is False

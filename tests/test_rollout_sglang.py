@@ -14,9 +14,10 @@ from typing import ClassVar
 
 import pytest
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import EngineError
-from agentrl.rollout.sglang_engine import SGLangEngine, parse_sglang_output, sglang_request
-from agentrl.types import SamplingParams
+from agentrl.rollout.sglang_engine import SGLangEngine
+from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
 
 
 @dataclass
@@ -87,13 +88,13 @@ def fake_sglang(monkeypatch):
 
 def test_sglang_request_and_output_mapping():
     """Pure mapping, no sglang module at all: SGLang's sampling names, EOS merged unless ignore_eos."""
-    s = SamplingParams(temperature=0.7, top_p=0.9, top_k=0, max_tokens=5, stop_token_ids=[7], seed=3)
+    s = SamplingConfig(temperature=0.7, top_p=0.9, top_k=0, max_tokens=5, stop_token_ids=[7], seed=3)
     req = sglang_request([1, 2], s, "r1", eos=[2])
     assert req["input_ids"] == [1, 2] and req["rid"] == "r1" and req["return_logprob"] is True
     sp = req["sampling_params"]
     assert sp["max_new_tokens"] == 5 and sp["top_k"] == -1 and sp["sampling_seed"] == 3
     assert sp["stop_token_ids"] == [2, 7] and sp["no_stop_trim"] is True
-    ignore = sglang_request([1], SamplingParams(ignore_eos=True, stop_token_ids=[7]), "r2", eos=[2])
+    ignore = sglang_request([1], SamplingConfig(ignore_eos=True, stop_token_ids=[7]), "r2", eos=[2])
     assert ignore["sampling_params"]["stop_token_ids"] == [7] and "sampling_seed" not in ignore["sampling_params"]
     ids, lps, reason = parse_sglang_output(
         {"output_ids": [5, 6], "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": [
@@ -106,7 +107,7 @@ def test_sglang_request_and_output_mapping():
 
 async def test_generate_with_fake_sglang(fake_sglang, tiny_model_path):
     engine = SGLangEngine(tiny_model_path, max_model_len=512, seed=4, engine_kwargs={"tp_size": 1})
-    out = await engine.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=1.0), "g1")
+    out = await engine.generate([1, 2, 3], SamplingConfig(max_tokens=4, temperature=1.0), "g1")
     fake = fake_sglang.instances[0]
     assert fake.kwargs["model_path"] == tiny_model_path and fake.kwargs["skip_tokenizer_init"] is True
     assert fake.kwargs["context_length"] == 512 and fake.kwargs["random_seed"] == 4 and fake.kwargs["tp_size"] == 1
@@ -118,7 +119,7 @@ async def test_generate_with_fake_sglang(fake_sglang, tiny_model_path):
 
 async def test_abort_and_update_weights_with_fake_sglang(fake_sglang, tiny_model_path):
     engine = SGLangEngine(tiny_model_path)
-    long = SamplingParams(max_tokens=10_000, ignore_eos=True)
+    long = SamplingConfig(max_tokens=10_000, ignore_eos=True)
     task = asyncio.ensure_future(engine.generate([1], long, "a1"))
     await asyncio.sleep(0.05)
     await engine.abort("a1")
@@ -131,7 +132,7 @@ async def test_abort_and_update_weights_with_fake_sglang(fake_sglang, tiny_model
     pre = await asyncio.wait_for(task, 5)
     assert pre.finish_reason == "abort" and pre.preempted and pre.version == 0 and seconds >= 0
     assert fake_sglang.instances[0].tokenizer_manager.loaded == ["/snap/v1"]
-    after = await engine.generate([1], SamplingParams(max_tokens=2), "a3")
+    after = await engine.generate([1], SamplingConfig(max_tokens=2), "a3")
     assert after.version == 1 and (await engine.health())["version"] == 1
 
     with pytest.raises(EngineError, match="fake message"):

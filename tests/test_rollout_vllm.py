@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import RetryableEngineError
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
-from agentrl.types import SamplingParams
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -33,7 +33,7 @@ def _perturbed_copy(src: str, dst, scale: float) -> str:
 
 async def test_tiny_model_generates_from_token_ids(fleet):
     _, engines, _ = fleet
-    out = await engines[0].generate.remote(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=3), "t0")
+    out = await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=12, temperature=1.0, seed=3), "t0")
     assert 0 < len(out.token_ids) <= 12 and len(out.logprobs) == len(out.token_ids)
     assert all(isinstance(t, int) for t in out.token_ids) and all(lp <= 0.0 for lp in out.logprobs)
     assert out.finish_reason in ("stop", "length") and out.version == (await engines[0].stats.remote())["version"]
@@ -41,7 +41,7 @@ async def test_tiny_model_generates_from_token_ids(fleet):
 
 async def test_32_concurrent_requests_through_router_are_sticky(fleet):
     _, _engines, router = fleet
-    sampling = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    sampling = SamplingConfig(max_tokens=24, temperature=1.0, ignore_eos=True)
     episodes = [f"ep{i % 8}" for i in range(32)]
     outs = await asyncio.gather(
         *(router.generate.remote(ep, [*PROMPT, i % 50], sampling, f"c{i}") for i, ep in enumerate(episodes))
@@ -58,7 +58,7 @@ async def test_32_concurrent_requests_through_router_are_sticky(fleet):
 async def test_explicit_abort_returns_partial_tokens(fleet):
     _, engines, _ = fleet
     engine = engines[1]
-    sampling = SamplingParams(max_tokens=3000, temperature=1.0, ignore_eos=True)
+    sampling = SamplingConfig(max_tokens=3000, temperature=1.0, ignore_eos=True)
     task = asyncio.ensure_future(engine.generate.remote(PROMPT, sampling, "to-abort"))
     await asyncio.sleep(0.5)
     await engine.abort.remote("to-abort")
@@ -69,7 +69,7 @@ async def test_explicit_abort_returns_partial_tokens(fleet):
 
 async def test_weight_update_changes_output_and_restore_reproduces(fleet, tiny_model_path, tmp_path):
     _, engines, router = fleet
-    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    greedy = SamplingConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
     await router.update_weights.remote(tiny_model_path, 0)  # other test modules share these engines
     before = await engines[0].generate.remote(PROMPT, greedy, "g0")
     changed = _perturbed_copy(tiny_model_path, tmp_path / "v1", scale=0.5)
@@ -86,7 +86,7 @@ async def test_weight_update_changes_output_and_restore_reproduces(fleet, tiny_m
 async def test_abort_for_update_then_resume_keeps_both_versions(fleet, tiny_model_path, tmp_path):
     _, engines, router = fleet
     start_version = (await engines[0].stats.remote())["version"]
-    sampling = SamplingParams(max_tokens=1500, temperature=1.0, ignore_eos=True)
+    sampling = SamplingConfig(max_tokens=1500, temperature=1.0, ignore_eos=True)
 
     async def gen(ids, s, rid):
         return await router.generate.remote("partial-ep", ids, s, rid)
@@ -109,7 +109,7 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     cfg, engines, _ = fleet
     (victim,) = start_engines(cfg, tiny_model_path, seed=7, count=1)
     router = start_router([victim, engines[1]], cfg)
-    sampling = SamplingParams(max_tokens=5000, temperature=1.0, ignore_eos=True)
+    sampling = SamplingConfig(max_tokens=5000, temperature=1.0, ignore_eos=True)
     # pin an episode to the victim: engine 0 is chosen first when both are idle
     assert await router.sticky_engine.remote("doomed") is None
     pending = asyncio.ensure_future(router.generate.remote("doomed", PROMPT, sampling, "d0"))
@@ -118,7 +118,7 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     ray_session.kill(victim)
     with pytest.raises(RetryableEngineError):
         await asyncio.wait_for(pending, 20)
-    quick = SamplingParams(max_tokens=8, temperature=1.0)
+    quick = SamplingConfig(max_tokens=8, temperature=1.0)
     outs = await asyncio.gather(*(router.generate.remote(f"n{i}", PROMPT, quick, f"n{i}") for i in range(6)))
     assert {o.engine for o in outs} == {1}
     assert await router.alive.remote() == [False, True]
@@ -140,7 +140,7 @@ async def test_sampled_logprobs_after_reload_match_transformers(fleet, tiny_mode
     weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"] * 12.0
     save_file(weights, f"{peaked}/model.safetensors")
     await router.update_weights.remote(str(peaked), 50)
-    out = await engines[0].generate.remote(PROMPT, SamplingParams(max_tokens=8, temperature=1.0, seed=5), "peak")
+    out = await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=8, temperature=1.0, seed=5), "peak")
     await router.update_weights.remote(tiny_model_path, 51)
     model = AutoModelForCausalLM.from_pretrained(peaked)
     ids = torch.tensor([PROMPT + out.token_ids])

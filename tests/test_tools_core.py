@@ -15,7 +15,6 @@ from agentrl.tools import (
     Session,
     Tool,
     ToolCall,
-    ToolSet,
     build_toolbox,
     get_parser,
     parse_tool_calls,
@@ -129,14 +128,6 @@ def test_content_is_json_for_structures_and_capped():
     assert r.content == '{"x": "yyy"}'
     r = asyncio.run(many({"n": MAX_CONTENT_CHARS * 2}))
     assert len(r.content) < MAX_CONTENT_CHARS + 100 and "truncated" in r.content
-
-
-def test_toolset_groups_tools():
-    ts = ToolSet("math", [add])
-    ts.add(boom)
-    assert len(ts) == 2 and [t.name for t in ts] == ["add", "boom"]
-    with pytest.raises(ValueError, match="duplicate"):
-        ts.add(add)
 
 
 def _config(**sets: dict) -> ToolsConfig:

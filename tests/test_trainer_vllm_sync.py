@@ -4,15 +4,16 @@ trainer's log-probs at the new version (real FSDP2 rank, real engine, the tiny m
 from __future__ import annotations
 
 from agentrl.config import load_config
+from agentrl.config.schema import SamplingConfig
 from agentrl.trainer import TrainerGroup
-from agentrl.types import Sample, SamplingParams
+from agentrl.types import Sample
 
 
 async def test_engine_logprobs_match_trainer_after_sync(vllm_fleet, tiny_model_path, tmp_path):
     _, engines, _ = vllm_fleet
     engine = engines[0]
     prompt = [5, 6, 7, 8, 9, 10]
-    out = await engine.generate.remote(prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=1), "sync-0")
+    out = await engine.generate.remote(prompt, SamplingConfig(max_tokens=16, temperature=1.0, seed=1), "sync-0")
     ids = prompt + out.token_ids
     n = len(out.token_ids)
     mask = [0] * len(prompt) + [1] * n
@@ -27,7 +28,7 @@ async def test_engine_logprobs_match_trainer_after_sync(vllm_fleet, tiny_model_p
         trainer.train_step(batch)
         path = trainer.export_weights(str(tmp_path / "w"))
         await engine.update_weights.remote(path, 100)
-        greedy = await engine.generate.remote(prompt, SamplingParams(max_tokens=16, temperature=0.0), "sync-greedy")
+        greedy = await engine.generate.remote(prompt, SamplingConfig(max_tokens=16, temperature=0.0), "sync-greedy")
         assert greedy.version == 100
         seq = prompt + greedy.token_ids
         probe = Sample(seq, [0] * len(prompt) + [1] * len(greedy.token_ids), [0.0] * len(seq), [-1] * len(seq),

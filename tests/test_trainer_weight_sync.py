@@ -1,7 +1,7 @@
 """Bucketed weight broadcast: planning, packing, and a real 2-process broadcast over gloo on CPU.
 
-The NCCL / HCCL groups and the vLLM worker extension run the same code with another backend; they are
-checked only on a device.
+The sender is the trainer's, the receiver the vLLM worker extension's. The NCCL / HCCL groups and the extension
+run the same code with another backend; they are checked only on a device.
 """
 
 from __future__ import annotations
@@ -11,15 +11,9 @@ import socket
 
 import torch
 
-from agentrl.trainer.weight_sync import (
-    broadcast_state_dict,
-    meta_of,
-    new_group,
-    pack_bucket,
-    plan_buckets,
-    receive_state_dict,
-    unpack_bucket,
-)
+from agentrl.rollout.vllm_worker import receive_state_dict
+from agentrl.trainer.weight_sync import broadcast_state_dict
+from agentrl.weight_buckets import meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
 
 
 def _state() -> dict[str, torch.Tensor]:

@@ -5,7 +5,6 @@ The interface env managers code against:
 - `@tool` / `Tool.from_function(fn)`: a typed sync or async function becomes a tool; pydantic derives its
   OpenAI function schema from the signature and the docstring's Args section. A parameter annotated `Session`
   receives per-episode state (`session.state`, `session.add_cleanup`) and is not part of the schema.
-- `ToolSet(name, [fns])`: a named group of tools declared in Python.
 - `build_toolbox(cfg.tools, set_names) -> Toolbox`: resolves config tool sets, local (`python: mod:fn`) and
   remote (`url: http://...`) alike. `Toolbox.schemas()`, `await Toolbox.call(name, arguments, session_id) ->
   ToolResult(content, ok, error, seconds)` (never raises for tool failures), `open_session` / `close_session`,
@@ -20,7 +19,7 @@ Built-ins (use as `python: <module>:<name>` in config): `agentrl.tools.calculato
 """
 
 from agentrl.tools.client import ToolClient, ToolServerError
-from agentrl.tools.core import Session, Tool, ToolResult, ToolSet, tool
+from agentrl.tools.core import Session, Tool, ToolResult, tool
 from agentrl.tools.parsers import ParseError, ToolCall, get_parser, parse_tool_calls, register_parser
 from agentrl.tools.toolbox import Toolbox, build_toolbox, load_python_tool
 
@@ -32,7 +31,6 @@ __all__ = [
     "ToolClient",
     "ToolResult",
     "ToolServerError",
-    "ToolSet",
     "Toolbox",
     "build_toolbox",
     "get_parser",

@@ -257,26 +257,3 @@ def tool(
         return Tool(f, name=name, description=description, timeout_s=timeout_s)
 
     return wrap(fn) if fn is not None else wrap
-
-
-class ToolSet:
-    """A named group of tools, declared in Python (skyrl-gym style): `math = ToolSet("math")`, `@math.add`."""
-
-    def __init__(self, name: str, tools: list[Tool | Callable[..., Any]] | None = None) -> None:
-        self.name = name
-        self.tools: dict[str, Tool] = {}
-        for t in tools or []:
-            self.add(t)
-
-    def add(self, fn: Tool | Callable[..., Any]) -> Tool:
-        t = Tool.from_function(fn)
-        if t.name in self.tools:
-            raise ValueError(f"tool set {self.name}: duplicate tool {t.name!r}")
-        self.tools[t.name] = t
-        return t
-
-    def __iter__(self):
-        return iter(self.tools.values())
-
-    def __len__(self) -> int:
-        return len(self.tools)

@@ -11,7 +11,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -72,6 +72,27 @@ class _Limiter:
         msg = f"server busy: {lim.max_concurrency} calls running and up to {lim.max_queue} queued; retry later"
         return JSONResponse({"detail": msg}, status_code=503, headers={"Retry-After": "1"})
 
+    async def run(self, call: Callable[[], Awaitable[Response]]) -> Response:
+        """`call()` in a concurrency slot; 503 at once when the queue is full, or when the wait for a slot times
+        out."""
+        if self.pending >= self.limits.max_concurrency + self.limits.max_queue:
+            return self.busy()
+        self.pending += 1
+        try:
+            if self.sem.locked():
+                try:
+                    await asyncio.wait_for(self.sem.acquire(), self.limits.queue_timeout_s)
+                except TimeoutError:
+                    return self.busy()
+            else:
+                await self.sem.acquire()
+            try:
+                return await call()
+            finally:
+                self.sem.release()
+        finally:
+            self.pending -= 1
+
 
 def _call_model(t: Tool) -> type[BaseModel]:
     try:
@@ -95,6 +116,16 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         raise ValueError("duplicate tool names")
     sessions = SessionStore(limits.max_sessions)
     limiter = _Limiter(limits)
+    app = _new_app(sessions)
+    _add_info_routes(app, tools, sessions, limiter)
+    _add_tool_routes(app, tools, sessions, limiter)
+    _add_session_routes(app, sessions)
+    _add_guard(app, token, limits.max_body_bytes)
+    return app
+
+
+def _new_app(sessions: SessionStore) -> FastAPI:
+    """The bare app; its shutdown closes every open session (running their cleanups)."""
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -108,11 +139,16 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         lifespan=lifespan,
     )
     app.state.sessions = sessions
+    return app
+
+
+def _add_info_routes(app: FastAPI, tools: list[Tool], sessions: SessionStore, limiter: _Limiter) -> None:
+    """GET /health (open to all, for liveness probes) and GET /tools (the schemas, built once)."""
 
     @app.get("/health", openapi_extra={"security": []})
     async def health() -> dict[str, Any]:
         """Liveness plus load: calls pending and sessions open."""
-        return {"status": "ok", "tools": len(by_name), "pending": limiter.pending, "sessions": len(sessions)}
+        return {"status": "ok", "tools": len(tools), "pending": limiter.pending, "sessions": len(sessions)}
 
     schemas = [t.schema() for t in tools]
 
@@ -121,13 +157,21 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         """OpenAI function schemas of every tool served here."""
         return {"tools": schemas}
 
+
+def _add_tool_routes(app: FastAPI, tools: list[Tool], sessions: SessionStore, limiter: _Limiter) -> None:
+    """One typed call route per tool, then a 404 naming the known tools for any other name (it must come last,
+    or it would shadow the typed routes)."""
     for t in tools:
-        _add_call_route(app, t, sessions, limiter, t.timeout_s or limits.default_timeout_s)
+        _add_call_route(app, t, sessions, limiter, t.timeout_s or limiter.limits.default_timeout_s)
+    known = ", ".join(t.name for t in tools) or "none"
 
     @app.post("/tools/{name}/call", responses={404: {"model": Detail}, **ERRORS}, include_in_schema=False)
     async def unknown_tool(name: str) -> JSONResponse:
-        known = ", ".join(by_name) or "none"
         return JSONResponse({"detail": f"unknown tool {name!r}; available tools: {known}"}, status_code=404)
+
+
+def _add_session_routes(app: FastAPI, sessions: SessionStore) -> None:
+    """POST /sessions/open and /sessions/close: per-episode tool state."""
 
     @app.post("/sessions/open", responses={k: ERRORS[k] for k in (400, 401, 413, 429)})
     async def open_session(req: SessionRequest) -> dict[str, Any]:
@@ -143,37 +187,19 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
         """Close an episode's state and run its cleanups; closing an unknown session is not an error."""
         return {"session_id": req.session_id, "closed": await sessions.close(req.session_id)}
 
+
+def _add_guard(app: FastAPI, token: str | None, max_body_bytes: int) -> None:
+    """Auth and the body-size limit (one pure-ASGI middleware), and the bearer scheme in OpenAPI when a token
+    is set."""
     _document_auth(app, token is not None)
-    app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=limits.max_body_bytes)
-    return app
+    app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=max_body_bytes)
 
 
 def _add_call_route(app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Limiter, timeout_s: float) -> None:
     request_model = _call_model(t)
 
     async def call(req: request_model) -> ToolResult:  # type: ignore[valid-type]
-        if limiter.pending >= limiter.limits.max_concurrency + limiter.limits.max_queue:
-            return limiter.busy()  # type: ignore[return-value]
-        limiter.pending += 1
-        try:
-            if limiter.sem.locked():
-                try:
-                    await asyncio.wait_for(limiter.sem.acquire(), limiter.limits.queue_timeout_s)
-                except TimeoutError:
-                    return limiter.busy()  # type: ignore[return-value]
-            else:
-                await limiter.sem.acquire()
-            try:
-                session = sessions.open(req.session_id) if req.session_id else None
-                result = await t.run(req.arguments, session, timeout_s)
-                # already a validated model: serialise once, skipping FastAPI's re-validation of response_model
-                return Response(result.model_dump_json(), media_type="application/json")  # type: ignore[return-value]
-            except OverflowError as err:
-                return JSONResponse({"detail": str(err)}, status_code=429)  # type: ignore[return-value]
-            finally:
-                limiter.sem.release()
-        finally:
-            limiter.pending -= 1
+        return await limiter.run(lambda: _run_tool(t, req, sessions, timeout_s))  # type: ignore[return-value]
 
     call.__name__ = f"call_{t.name}"
     call.__doc__ = t.description
@@ -185,6 +211,17 @@ def _add_call_route(app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Lim
         description=t.description,
         operation_id=f"call_{t.name}",
     )(call)
+
+
+async def _run_tool(t: Tool, req: Any, sessions: SessionStore, timeout_s: float) -> Response:
+    """One call in its session; 429 when opening that session would pass the session limit."""
+    try:
+        session = sessions.open(req.session_id) if req.session_id else None
+        result = await t.run(req.arguments, session, timeout_s)
+        # already a validated model: serialise once, skipping FastAPI's re-validation of response_model
+        return Response(result.model_dump_json(), media_type="application/json")
+    except OverflowError as err:
+        return JSONResponse({"detail": str(err)}, status_code=429)
 
 
 def _document_auth(app: FastAPI, enabled: bool) -> None:

@@ -43,23 +43,17 @@ def _fleet(cfg, model_path: str) -> list:
 
 
 def _rollout(args: argparse.Namespace) -> int:
-    from agentrl.envmanager.episode import EpisodeSpec
-    from agentrl.envmanager.manager import sampling_params
+    from agentrl.envmanager.manager import episode_spec
     from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
     managers = _fleet(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
     envs = cfg.envs.val if args.split == "val" else cfg.envs.train
-    sampling = sampling_params(cfg.rollout.val_sampling if args.split == "val" else cfg.rollout.sampling)
     tags = list(envs.items())
     specs = []
     for i in range(args.episodes):
         tag, env = tags[i % len(tags)]
-        seed = env.seed_start + i
-        specs.append(
-            EpisodeSpec(env.env_id, seed, tag, f"{tag}/{seed}", f"rollout/{tag}/{seed}", dict(env.kwargs),
-                        env.max_turns, list(env.tools), sampling)
-        )  # fmt: skip
+        specs.append(episode_spec(cfg, args.split, tag, env.seed_start + i))
 
     async def collect():
         return await asyncio.gather(*(managers[i % len(managers)].run_episode.remote(s) for i, s in enumerate(specs)))
@@ -67,7 +61,6 @@ def _rollout(args: argparse.Namespace) -> int:
     episodes = asyncio.run(collect())
     with Path(args.out).open("w") as f:
         for ep in episodes:
-            ep["spec"] = {k: v for k, v in ep["spec"].items() if k != "sampling"}
             f.write(json.dumps(ep, default=str) + "\n")
     ok = [e for e in episodes if e["error"] is None]
     success = sum(e["metrics"].get("success", 0.0) for e in ok) / max(len(ok), 1)
@@ -76,8 +69,8 @@ def _rollout(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from agentrl.envmanager.manager import evaluate
     from agentrl.models.tiny import resolve_model_path
-    from agentrl.step_metrics import evaluate
 
     cfg = load_config(args.config, args.overrides)
     managers = _fleet(cfg, args.checkpoint or resolve_model_path(cfg.model.path, cfg.model.cache_dir))

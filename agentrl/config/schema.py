@@ -18,33 +18,46 @@ class Section(BaseModel):
 class ModelConfig(Section):
     path: str = Field("builtin:tiny", description="HF model dir, hub id, or builtin:NAME (built on first use)")
     tokenizer: str | None = Field(None, description="tokenizer path; defaults to the model path")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     cache_dir: str = Field("~/.cache/agentrl/models", description="where builtin models are built")
-    trust_remote_code: bool = False
 
 
-class EnvSpec(Section):
+class EnvConfig(Section):
+    """An env as validation runs it: single episodes on held-out task seeds."""
+
     env_id: str = Field(..., description="registered env id, e.g. agentrl/SimpleSokoban-v0")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="env constructor kwargs (free keys)")
-    max_turns: PositiveInt = 10
-    group_size: PositiveInt = Field(8, description="episodes per task seed (GRPO group)")
-    groups_per_batch: PositiveInt = Field(4, description="groups of this tag in one training batch")
+    max_turns: PositiveInt | None = Field(
+        None, description="model turns per episode, tool-call turns included; default: the env's own max_steps"
+    )
     seed_start: int = Field(0, description="first task seed; validation uses disjoint seeds")
     tools: list[str] = Field(default_factory=list, description="tool sets this env may call")
 
 
+class TrainEnvConfig(EnvConfig):
+    """An env as training runs it: groups of episodes per task seed."""
+
+    group_size: PositiveInt = Field(8, description="episodes per task seed (GRPO group)")
+    groups_per_batch: PositiveInt = Field(4, description="groups of this tag in one training batch")
+
+
 class EnvsConfig(Section):
-    train: dict[str, EnvSpec] = Field(
-        default_factory=lambda: {"sokoban": EnvSpec(env_id="agentrl/SimpleSokoban-v0", max_turns=15)}
+    train: dict[str, TrainEnvConfig] = Field(
+        default_factory=lambda: {"sokoban": TrainEnvConfig(env_id="agentrl/SimpleSokoban-v0")}
     )
-    val: dict[str, EnvSpec] = Field(default_factory=dict)
+    val: dict[str, EnvConfig] = Field(default_factory=dict)
     sample_mode: Literal["trajectory", "step"] = "trajectory"
     step_history_window: int = Field(0, ge=0, description="step-wise samples: past turns kept in the prompt")
-    max_tokens_per_turn: PositiveInt = 64
-    max_total_tokens: PositiveInt = 4096
+    max_total_tokens: PositiveInt = Field(4096, description="episode length cap (prompt + every turn)")
     num_managers: PositiveInt = 1
     step_timeout_s: PositiveFloat = 30.0
     env_threads: PositiveInt = Field(16, description="threads per env manager for env.reset/step (blocking code)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "max_tokens_per_turn" in data:
+            raise ValueError("max_tokens_per_turn moved to rollout.sampling.max_tokens (new tokens per model turn)")
+        return data
 
 
 class ToolSpec(Section):
@@ -100,11 +113,25 @@ class RewardConfig(Section):
 
 
 class SamplingConfig(Section):
+    """Sampling of one model turn; engines take it as is."""
+
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
-    max_tokens: PositiveInt = 64
+    max_tokens: PositiveInt = Field(64, description="new tokens per model turn")
     stop_token_ids: list[int] = Field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
+
+
+class ValSamplingConfig(Section):
+    """Validation's changes to `rollout.sampling`: unset fields (None) keep the training value."""
+
+    temperature: float | None = Field(0.0, ge=0.0, description="greedy by default")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    max_tokens: PositiveInt | None = None
+    stop_token_ids: list[int] | None = None
     seed: int | None = None
 
 
@@ -118,8 +145,15 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    val_sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(temperature=0.0))
+    val_sampling: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
     request_timeout_s: PositiveFloat = 300.0
+
+    def sampling_for(self, split: str) -> SamplingConfig:
+        """The sampling of a split's episodes: validation applies `val_sampling` on top of `sampling`."""
+        if split != "val":
+            return self.sampling
+        changes = {k: v for k, v in self.val_sampling.model_dump().items() if v is not None}
+        return self.sampling.model_copy(update=changes)
 
     @model_validator(mode="after")
     def _remote_needs_url(self) -> RolloutConfig:

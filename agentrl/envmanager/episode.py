@@ -1,7 +1,7 @@
-"""One multi-turn episode: generate, parse tool calls or step the env, append observations as token deltas.
+"""One multi-turn episode: generate, run tool calls or step the env, append observations as token deltas.
 
 Everything slow or foreign (env.reset/step, tools, rewards) runs off the event loop with a timeout. A crashing
-or hanging env fails only its own episode: the result carries the error and the manager counts it.
+or hanging env fails only its own episode: the episode carries the error and the manager counts it.
 """
 
 from __future__ import annotations
@@ -10,78 +10,31 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
+from agentrl.config.schema import EnvsConfig, SamplingConfig, ToolsConfig
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.rollout.partial import generate_resumable
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.types import Episode, EpisodeSpec, GenOutput, Turn
 
-GenerateFn = Callable[[str, list[int], SamplingParams, str], Awaitable[GenOutput]]
-
-
-@dataclass
-class EpisodeSpec:
-    env_id: str
-    seed: int
-    tag: str
-    group_id: str
-    episode_id: str
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
-    max_turns: int = 10
-    tool_sets: list[str] = field(default_factory=list)
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+GenerateFn = Callable[[str, list[int], SamplingConfig, str], Awaitable[GenOutput]]
+Messages = list[dict[str, str]]
 
 
 @dataclass
-class Turn:
-    prompt_ids: list[int]  # what the model saw this turn (the running history in trajectory mode)
-    token_ids: list[int]
-    logprobs: list[float]
-    versions: list[int]
-    reward: float = 0.0
-    tool_calls: int = 0
-    resumes: int = 0
+class _Running:
+    """What one running episode needs besides its `Episode` record."""
 
-
-@dataclass
-class EpisodeResult:
     spec: EpisodeSpec
-    turns: list[Turn] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)  # the whole trajectory, token-exact
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    messages: list[dict[str, str]] = field(default_factory=list)
-    env_return: float = 0.0
-    metrics: dict[str, float] = field(default_factory=dict)
-    truncation: str | None = None  # max_turns | max_total_tokens | env_truncated | None (terminated)
-    timings: dict[str, float] = field(default_factory=lambda: {"llm": 0.0, "env": 0.0, "tool": 0.0})
-    error: str | None = None
-    final_text: str = ""
-    info: dict[str, Any] = field(default_factory=dict)
-    tool_calls: int = 0
-
-    @property
-    def failed(self) -> bool:
-        return self.error is not None
-
-    def append(self, ids: list[int], model: bool, logprobs: list[float] | None = None, versions=None) -> None:
-        self.token_ids += ids
-        self.loss_mask += [1 if model else 0] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += versions if versions is not None else [-1] * len(ids)
-
-
-@dataclass
-class Limits:
-    max_tokens_per_turn: int = 64
-    max_total_tokens: int = 4096
-    step_timeout_s: float = 30.0
-    max_calls_per_turn: int = 4
-    max_calls_per_episode: int = 32
-    sample_mode: str = "trajectory"
-    step_history_window: int = 0
+    ep: Episode
+    env: Any
+    chat: ChatTokens
+    box: Any  # the episode's ToolBox, or None
+    max_turns: int
+    turn_starts: list[int]  # message index where each turn's new context begins (after the system prompt)
+    calls_left: int
+    ended_with_eos: bool = True  # whether the last model turn ended with an end-of-turn token
 
 
 class EpisodeRunner:
@@ -92,7 +45,8 @@ class EpisodeRunner:
         tokenizer: Any,
         generate: GenerateFn,
         make_env: Callable[[str, dict], Any],
-        limits: Limits,
+        envs: EnvsConfig,
+        tools: ToolsConfig,
         executor: Executor,
         toolboxes: dict[tuple[str, ...], Any] | None = None,
         tool_parser: Callable[[str], list] | None = None,
@@ -100,7 +54,8 @@ class EpisodeRunner:
         self.tokenizer = tokenizer
         self.generate = generate
         self.make_env = make_env
-        self.limits = limits
+        self.envs = envs
+        self.tools = tools
         self.executor = executor
         self.toolboxes = toolboxes or {}
         self.tool_parser = tool_parser
@@ -114,101 +69,122 @@ class EpisodeRunner:
 
     async def _off_loop(self, fn: Callable, *args: Any) -> Any:
         loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.run_in_executor(self.executor, fn, *args), self.limits.step_timeout_s)
+        return await asyncio.wait_for(loop.run_in_executor(self.executor, fn, *args), self.envs.step_timeout_s)
 
-    async def run(self, spec: EpisodeSpec) -> EpisodeResult:
-        result = EpisodeResult(spec=spec)
+    async def run(self, spec: EpisodeSpec) -> Episode:
+        ep = Episode(episode_id=spec.episode_id, group_id=spec.group_id, env_id=spec.env_id)
         try:
-            await self._run(spec, result)
+            await self._run(spec, ep)
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            result.error = f"env call timed out after {self.limits.step_timeout_s}s"
+            ep.error = f"env call timed out after {self.envs.step_timeout_s}s"
         except Exception as err:  # the env's own bug: fail this episode, never the manager
-            result.error = f"{type(err).__name__}: {err}"
-        return result
+            ep.error = f"{type(err).__name__}: {err}"
+        ep.max_model_tokens = spec.sampling.max_tokens * max(1, len(ep.turns))
+        return ep
 
-    async def _run(self, spec: EpisodeSpec, result: EpisodeResult) -> None:
-        lim = self.limits
+    async def _run(self, spec: EpisodeSpec, ep: Episode) -> None:
+        run = await self._start(spec, ep)
+        if run.box is not None:
+            await run.box.open_session(spec.episode_id)
+        try:
+            pending: Messages = []  # messages since the last model turn, appended lazily
+            for turn_index in range(run.max_turns):
+                context = self._next_context(run, pending, turn_index)
+                if context is None:
+                    ep.truncation = "max_total_tokens"
+                    return
+                turn = await self._generate(run, *context, turn_index)
+                pending = await self._act(run, turn)
+                if pending is None:
+                    return
+            ep.truncation = "max_turns"
+        finally:
+            if run.box is not None:
+                await run.box.close_session(spec.episode_id)
+
+    async def _start(self, spec: EpisodeSpec, ep: Episode) -> _Running:
+        """Build and reset the env; the system prompt and first observation open the chat and the trajectory."""
         sets = tuple(spec.tool_sets)
         chat = self._chat(sets)
-        box = self.toolboxes.get(sets)
         t0 = time.perf_counter()
         env = await self._off_loop(self.make_env, spec.env_id, spec.env_kwargs)
         obs, info = await self._off_loop(lambda: env.reset(seed=spec.seed))
-        result.info = dict(info)
-        result.messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
-        result.timings["env"] += time.perf_counter() - t0
-        turn_starts = [1]  # message index where each turn's new context begins (after the system prompt)
-        result.append(chat.prompt_ids(result.messages), model=False)
-        calls_left = lim.max_calls_per_episode
-        if box is not None:
-            await box.open_session(spec.episode_id)
-        try:
-            pending: list[dict[str, str]] = []  # messages since the last model turn, appended lazily
-            ended_with_eos = True
-            for turn_index in range(spec.max_turns):
-                if pending:
-                    turn_starts.append(len(result.messages))
-                    result.messages += pending
-                    if lim.sample_mode == "trajectory":
-                        delta = chat.delta_ids(pending, ended_with_eos)
-                        if len(result.token_ids) + len(delta) >= lim.max_total_tokens:
-                            result.truncation = "max_total_tokens"
-                            return
-                        result.append(delta, model=False)
-                if lim.sample_mode == "step":
-                    start = turn_starts[max(0, turn_index - lim.step_history_window)]
-                    prompt = chat.prompt_ids(result.messages[:1] + result.messages[start:])
-                else:
-                    prompt = list(result.token_ids)
-                budget = min(lim.max_tokens_per_turn, lim.max_total_tokens - len(prompt))
-                if budget <= 0:
-                    result.truncation = "max_total_tokens"
-                    return
-                t0 = time.perf_counter()
-                out = await generate_resumable(
-                    lambda ids, s, rid: self.generate(spec.episode_id, ids, s, rid),
-                    prompt,
-                    replace(spec.sampling, max_tokens=budget),
-                    f"{spec.episode_id}-t{turn_index}",
-                )
-                result.timings["llm"] += time.perf_counter() - t0
-                turn = Turn(prompt, out.token_ids, out.logprobs, out.versions, resumes=out.resumes)
-                result.turns.append(turn)
-                result.append(out.token_ids, model=True, logprobs=out.logprobs, versions=out.versions)
-                text = chat.model_text(out.token_ids)
-                result.final_text = text
-                result.messages.append({"role": "assistant", "content": text})
-                ended_with_eos = bool(out.token_ids) and out.token_ids[-1] in chat.eos_ids
+        ep.timings["env"] += time.perf_counter() - t0
+        ep.env_info = dict(info)
+        ep.task = dict(info.get("task") or {})
+        ep.messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
+        ep.append(chat.prompt_ids(ep.messages), model=False)
+        max_turns = spec.max_turns or env.max_steps
+        return _Running(spec, ep, env, chat, self.toolboxes.get(sets), max_turns, [1], self.tools.max_calls_per_episode)
 
-                calls = self.tool_parser(text) if box is not None and self.tool_parser else []
-                if calls:
-                    pending = await self._run_tools(box, calls, spec, result, turn, calls_left)
-                    calls_left -= turn.tool_calls
-                    if hasattr(env, "observe_tool_results"):  # envs that track what the tools returned
-                        await self._off_loop(env.observe_tool_results, [m["content"] for m in pending])
-                else:
-                    t0 = time.perf_counter()
-                    obs, reward, terminated, truncated, info = await self._off_loop(env.step, text)
-                    result.timings["env"] += time.perf_counter() - t0
-                    turn.reward = float(reward)
-                    result.env_return += float(reward)
-                    result.metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
-                    if terminated or truncated:
-                        result.truncation = "env_truncated" if truncated and not terminated else None
-                        return
-                    pending = [{"role": "user", "content": obs}]
-            result.truncation = "max_turns"
-        finally:
-            if box is not None:
-                await box.close_session(spec.episode_id)
+    def _next_context(self, run: _Running, pending: Messages, turn_index: int) -> tuple[list[int], int] | None:
+        """Append the messages since the last turn; return this turn's prompt and token budget, or None when the
+        episode has no room left. Trajectory-wise the prompt is the whole token history; step-wise it is the
+        system prompt plus the last `step_history_window` turns' context, rendered anew."""
+        ep = run.ep
+        if pending:
+            run.turn_starts.append(len(ep.messages))
+            ep.messages += pending
+        if self.envs.sample_mode == "step":
+            start = run.turn_starts[max(0, turn_index - self.envs.step_history_window)]
+            prompt = run.chat.prompt_ids(ep.messages[:1] + ep.messages[start:])
+        else:
+            if pending:
+                delta = run.chat.delta_ids(pending, run.ended_with_eos)
+                if len(ep.token_ids) + len(delta) >= self.envs.max_total_tokens:
+                    return None
+                ep.append(delta, model=False)
+            prompt = list(ep.token_ids)
+        budget = min(run.spec.sampling.max_tokens, self.envs.max_total_tokens - len(prompt))
+        return (prompt, budget) if budget > 0 else None
 
-    async def _run_tools(self, box, calls, spec, result, turn, calls_left) -> list[dict[str, str]]:
+    async def _generate(self, run: _Running, prompt: list[int], budget: int, turn_index: int) -> Turn:
+        """One model turn (resumed across weight updates), appended to the trajectory and the chat."""
+        spec, ep = run.spec, run.ep
+        t0 = time.perf_counter()
+        out = await generate_resumable(
+            lambda ids, s, rid: self.generate(spec.episode_id, ids, s, rid),
+            prompt,
+            spec.sampling.model_copy(update={"max_tokens": budget}),
+            spec.request_id(turn_index),
+        )
+        ep.timings["llm"] += time.perf_counter() - t0
+        turn = Turn(prompt, out.token_ids, out.logprobs, out.versions, resumes=out.resumes)
+        ep.turns.append(turn)
+        ep.append(out.token_ids, model=True, logprobs=out.logprobs, versions=out.versions)
+        ep.final_answer = run.chat.model_text(out.token_ids)
+        ep.messages.append({"role": "assistant", "content": ep.final_answer})
+        run.ended_with_eos = bool(out.token_ids) and out.token_ids[-1] in run.chat.eos_ids
+        return turn
+
+    async def _act(self, run: _Running, turn: Turn) -> Messages | None:
+        """Run the turn's tool calls, or step the env with its text. Returns the messages the model sees next,
+        or None when the env ended the episode."""
+        ep, text = run.ep, run.ep.final_answer or ""
+        calls = self.tool_parser(text) if run.box is not None and self.tool_parser else []
+        if calls:
+            pending = await self._run_tools(run, calls, turn)
+            if hasattr(run.env, "observe_tool_results"):  # envs that track what the tools returned
+                await self._off_loop(run.env.observe_tool_results, [m["content"] for m in pending])
+            return pending
+        t0 = time.perf_counter()
+        obs, reward, terminated, truncated, info = await self._off_loop(run.env.step, text)
+        ep.timings["env"] += time.perf_counter() - t0
+        turn.reward = float(reward)
+        ep.env_return += float(reward)
+        ep.metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
+        if terminated or truncated:
+            ep.truncation = "env_truncated" if truncated and not terminated else None
+            return None
+        return [{"role": "user", "content": obs}]
+
+    async def _run_tools(self, run: _Running, calls: list, turn: Turn) -> Messages:
         """Run this turn's tool calls concurrently; malformed or surplus calls become error messages."""
         from agentrl.tools import ParseError
 
-        allowed = min(self.limits.max_calls_per_turn, max(calls_left, 0))
+        allowed = min(self.tools.max_calls_per_turn, max(run.calls_left, 0))
         t0 = time.perf_counter()
 
         async def one(i: int, call: Any) -> str:
@@ -216,11 +192,12 @@ class EpisodeRunner:
                 return f"error: could not parse tool call: {call.message}"
             if i >= allowed:
                 return "error: tool call limit reached (per turn or per episode); call skipped"
-            res = await box.call(call.name, call.arguments, spec.episode_id)
+            res = await run.box.call(call.name, call.arguments, run.spec.episode_id)
             return res.content if res.ok else f"error: {res.error or res.content}"
 
         contents = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
         turn.tool_calls = min(len(calls), allowed)
-        result.timings["tool"] += time.perf_counter() - t0
-        result.tool_calls += turn.tool_calls
+        run.calls_left -= turn.tool_calls
+        run.ep.timings["tool"] += time.perf_counter() - t0
+        run.ep.tool_calls += turn.tool_calls
         return [{"role": "tool", "content": c} for c in contents]

@@ -10,29 +10,32 @@ from __future__ import annotations
 import asyncio
 import functools
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from agentrl.config.schema import Config, EnvSpec, SamplingConfig
-from agentrl.envmanager.episode import EpisodeResult, EpisodeRunner, EpisodeSpec, Limits
+from agentrl.config.schema import Config, EnvConfig, SamplingConfig
+from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import episode_metrics, to_samples
-from agentrl.types import GenOutput, Sample, SamplingParams
+from agentrl.types import Episode, EpisodeSpec, GenOutput, Group
 
 
-def sampling_params(cfg: SamplingConfig) -> SamplingParams:
-    return SamplingParams(**cfg.model_dump())
-
-
-@dataclass
-class GroupResult:
-    tag: str
-    seed: int
-    split: str
-    samples: list[Sample] = field(default_factory=list)
-    episodes: list[dict[str, float]] = field(default_factory=list)  # per finished episode: episode metrics
-    failures: list[str] = field(default_factory=list)  # errors of episodes that crashed or timed out
-    missing_rewards: list[str] = field(default_factory=list)
-    admitted_version: int = 0  # the policy version (trained batches) when the buffer admitted the group
+def episode_spec(cfg: Config, split: str, tag: str, seed: int, index: int = 0) -> EpisodeSpec:
+    """Episode `index` of env `tag` on task `seed`, as the config says to run it."""
+    envs = cfg.envs.val if split == "val" else cfg.envs.train
+    if tag not in envs:
+        raise KeyError(f"no env tag {tag!r} in envs.{split} (known: {', '.join(envs)})")
+    env: EnvConfig = envs[tag]
+    return EpisodeSpec(
+        env_id=env.env_id,
+        seed=seed,
+        tag=tag,
+        split=split,
+        index=index,
+        env_kwargs=dict(env.kwargs),
+        max_turns=env.max_turns,
+        tool_sets=list(env.tools),
+        sampling=cfg.rollout.sampling_for(split),
+    )
 
 
 def _make_env(env_id: str, kwargs: dict) -> Any:
@@ -52,27 +55,19 @@ class EnvManager:
         self.index = index
         self.router = router
         self.reward_pool = reward_pool
+        from agentrl.tools import parse_tool_calls
+
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
-        e = cfg.envs
-        limits = Limits(
-            max_tokens_per_turn=e.max_tokens_per_turn,
-            max_total_tokens=e.max_total_tokens,
-            step_timeout_s=e.step_timeout_s,
-            max_calls_per_turn=cfg.tools.max_calls_per_turn,
-            max_calls_per_episode=cfg.tools.max_calls_per_episode,
-            sample_mode=e.sample_mode,
-            step_history_window=e.step_history_window,
-        )
         self.runner = EpisodeRunner(
             tokenizer,
             self._generate,
             _make_env,
-            limits,
-            ThreadPoolExecutor(max_workers=e.env_threads, thread_name_prefix="env"),
+            cfg.envs,
+            cfg.tools,
+            ThreadPoolExecutor(max_workers=cfg.envs.env_threads, thread_name_prefix="env"),
             toolboxes=self._toolboxes(cfg),
-            tool_parser=self._tool_parser(cfg),
+            tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
         )
-        self.counters = {"episodes": 0, "failed": 0, "missing_reward": 0}
 
     @staticmethod
     def _toolboxes(cfg: Config) -> dict[tuple[str, ...], Any]:
@@ -83,75 +78,42 @@ class EnvManager:
 
         return {sets: build_toolbox(cfg.tools, list(sets)) for sets in wanted}
 
-    @staticmethod
-    def _tool_parser(cfg: Config):
-        from agentrl.tools import parse_tool_calls
-
-        return functools.partial(parse_tool_calls, parser=cfg.tools.parser)
-
-    async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingParams, rid: str) -> GenOutput:
+    async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         return await self.router.generate.remote(episode_id, ids, sampling, rid)
 
-    def _spec(self, tag: str, env: EnvSpec, seed: int, i: int, split: str) -> EpisodeSpec:
-        sampling = self.cfg.rollout.val_sampling if split == "val" else self.cfg.rollout.sampling
-        return EpisodeSpec(
-            env_id=env.env_id,
-            seed=seed,
-            tag=tag,
-            group_id=f"{split}/{tag}/{seed}",
-            episode_id=f"{split}/{tag}/{seed}/{i}",
-            env_kwargs=dict(env.kwargs),
-            max_turns=env.max_turns,
-            tool_sets=list(env.tools),
-            sampling=sampling_params(sampling),
-        )
-
-    async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> GroupResult:
+    async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> Group:
         """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples."""
-        envs = self.cfg.envs.val if split == "val" else self.cfg.envs.train
-        if tag not in envs:
-            raise KeyError(f"no env tag {tag!r} in envs.{split} (known: {', '.join(envs)})")
-        env = envs[tag]
-        n = group_size or env.group_size
-        results = await asyncio.gather(*(self.runner.run(self._spec(tag, env, seed, i, split)) for i in range(n)))
-        out = GroupResult(tag=tag, seed=seed, split=split)
-        for ep in results:
-            self.router.release.remote(ep.spec.episode_id)
-            self.counters["episodes"] += 1
+        train = self.cfg.envs.train
+        n = group_size or (train[tag].group_size if split == "train" and tag in train else 1)
+        specs = [episode_spec(self.cfg, split, tag, seed, i) for i in range(n)]
+        episodes = await asyncio.gather(*(self.runner.run(spec) for spec in specs))
+        group = Group(tag=tag, seed=seed, split=split)
+        for ep in episodes:
+            self.router.release.remote(ep.episode_id)
             if ep.failed:
-                self.counters["failed"] += 1
-                out.failures.append(f"{ep.spec.episode_id}: {ep.error}")
+                group.failures.append(f"{ep.episode_id}: {ep.error}")
                 continue
-            episode_return = await self._score(ep, out)
-            if episode_return is None:
+            scored = await self._score(ep, group)
+            if scored is None:
                 continue
-            out.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
-            out.episodes.append(
-                {**episode_metrics(ep, episode_return), **{f"time/{k}": v for k, v in ep.timings.items()}}
-            )
-        return out
+            episode_return, reward_metrics = scored
+            group.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
+            group.episode_metrics.append({**episode_metrics(ep, episode_return), **reward_metrics})
+        return group
 
-    async def _score(self, ep: EpisodeResult, out: GroupResult) -> float | None:
-        """Env return plus the configured reward functions; None (counted, sample dropped) if a reward is missing."""
+    async def _score(self, ep: Episode, group: Group) -> tuple[float, dict[str, float]] | None:
+        """Env return plus the configured reward functions (and their `reward/...` metrics); None (recorded in
+        `group.missing_rewards`, no sample) when a reward function failed."""
         if self.reward_pool is None or not self.cfg.reward.functions:
-            return ep.env_return * self.cfg.reward.env_reward_weight
-        from agentrl.reward import Episode, combine
+            return ep.env_return * self.cfg.reward.env_reward_weight, {}
+        from agentrl.reward import combine
 
-        episode = Episode(
-            messages=ep.messages,
-            env_id=ep.spec.env_id,
-            env_info=ep.info,
-            task=dict(ep.info.get("task") or {}),
-            num_model_tokens=sum(ep.loss_mask),
-            max_model_tokens=self.cfg.envs.max_tokens_per_turn * max(1, len(ep.turns)),
-            episode_id=ep.spec.episode_id,
-        )
-        result = await self.reward_pool.score(episode)
+        result = await self.reward_pool.score(ep)
         total = combine(ep.env_return, result, self.cfg.reward)
         if total is None:
-            self.counters["missing_reward"] += 1
-            out.missing_rewards.append(f"{ep.spec.episode_id}: {result.missing}")
-        return total
+            group.missing_rewards.append(f"{ep.episode_id}: {result.missing}")
+            return None
+        return total, dict(result.metrics)
 
     async def run_episode(self, spec: EpisodeSpec) -> dict[str, Any]:
         """One episode as a plain dict (for `agentrl rollout` and debugging)."""
@@ -161,8 +123,23 @@ class EnvManager:
         data["text"] = self.runner.tokenizer.decode(ep.token_ids)
         return data
 
-    def stats(self) -> dict[str, int]:
-        return dict(self.counters)
+
+def check_turn_limits(cfg: Config) -> None:
+    """Reject an env's `max_turns` above its own `max_steps` when it has no tools: the env ends the episode
+    first, so the setting could never apply."""
+    from agentrl.config import ConfigError
+    from agentrl.envs.registry import env_kwargs
+
+    for split, envs in (("train", cfg.envs.train), ("val", cfg.envs.val)):
+        for tag, env in envs.items():
+            if env.max_turns is None or env.tools:
+                continue
+            max_steps = env.kwargs.get("max_steps", env_kwargs(env.env_id).get("max_steps"))
+            if isinstance(max_steps, int) and env.max_turns > max_steps:
+                raise ConfigError(
+                    f"envs.{split}.{tag}.max_turns: {env.max_turns} exceeds the env's max_steps ({max_steps}) "
+                    f"and the env has no tools, so it cannot apply; set envs.{split}.{tag}.kwargs.max_steps instead"
+                )
 
 
 def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any = None) -> list[Any]:
@@ -171,5 +148,21 @@ def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any =
 
     from agentrl.platform import worker_env
 
+    check_turn_limits(cfg)
     cls = ray.remote(EnvManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()})
     return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]
+
+
+async def evaluate(cfg: Config, managers: list[Any]) -> dict[str, float]:
+    """`validation.episodes_per_tag` held-out episodes per val tag (the train tags when there are none),
+    spread over the env managers; success and return per tag."""
+    from agentrl.step_metrics import validation_metrics
+
+    v = cfg.validation
+    envs, split = (cfg.envs.val, "val") if cfg.envs.val else (cfg.envs.train, "train")
+    jobs = [
+        managers[i % len(managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, split, 1)
+        for tag, spec in envs.items()
+        for i in range(v.episodes_per_tag)
+    ]
+    return validation_metrics(list(await asyncio.gather(*jobs))) if jobs else {}

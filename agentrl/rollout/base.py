@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 from typing import Any, Literal
 
-from agentrl.types import FinishReason, GenOutput, SamplingParams
+from agentrl.config.schema import SamplingConfig
+from agentrl.types import FinishReason, GenOutput
 
 DrainMode = Literal["abort", "wait"]
 Completion = tuple[list[int], list[float], FinishReason]
@@ -27,11 +28,17 @@ class RetryableEngineError(EngineError):
     """The engine died, was drained or timed out: the request may be retried on another engine."""
 
 
+def finish_reason(raw: Any) -> FinishReason:
+    """Normalise a backend's finish reason (str, None, or SGLang's {"type": ...}) to stop / length / abort."""
+    kind = raw.get("type") if isinstance(raw, dict) else raw
+    return kind if kind in ("stop", "length", "abort") else "stop"
+
+
 class RolloutEngine(abc.ABC):
     """One model replica. Implementations are plain async classes; `ray.remote` turns them into actors."""
 
     @abc.abstractmethod
-    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         """Generate from token ids. An aborted request returns its partial tokens with finish_reason="abort";
         `preempted=True` marks an abort caused by pause()/update_weights (the caller may resume it)."""
 
@@ -91,7 +98,7 @@ class GatedEngine(RolloutEngine):
     async def start(self) -> dict[str, Any]: ...
 
     @abc.abstractmethod
-    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def _complete(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         """Run one request on the backend; an aborted request returns its partial tokens (reason "abort")."""
 
     @abc.abstractmethod
@@ -100,7 +107,7 @@ class GatedEngine(RolloutEngine):
     @abc.abstractmethod
     async def _load_weights(self, source: str, version: int) -> None: ...
 
-    async def generate(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> GenOutput:
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         await self.start()
         while not self._gate.is_set():
             await self._gate.wait()

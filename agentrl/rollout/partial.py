@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import RetryableEngineError
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.types import GenOutput
 
-GenerateFn = Callable[[list[int], SamplingParams, str], Awaitable[GenOutput]]
+GenerateFn = Callable[[list[int], SamplingConfig, str], Awaitable[GenOutput]]
 
 
 async def generate_resumable(
     generate: GenerateFn,
     prompt_ids: list[int],
-    sampling: SamplingParams,
+    sampling: SamplingConfig,
     request_id: str,
     *,
     max_retries: int = 3,
@@ -41,7 +41,9 @@ async def generate_resumable(
             reason = "length"
             break
         try:
-            last = await generate(prompt_ids + tokens, replace(sampling, max_tokens=budget), f"{request_id}-{attempt}")
+            last = await generate(
+                prompt_ids + tokens, sampling.model_copy(update={"max_tokens": budget}), f"{request_id}-{attempt}"
+            )
         except RetryableEngineError:
             failures += 1
             if failures > max_retries:

@@ -14,7 +14,7 @@ Flavours (the `flavor` kwarg, or "auto" to detect from the server):
   use the same dev endpoints as "vllm".
 
 Connection errors, timeouts and 5xx answers raise RetryableEngineError (another engine may serve the request);
-4xx answers raise EngineError with the server's message.
+4xx answers raise RejectedError (an EngineError with the status code) with the server's message.
 """
 
 from __future__ import annotations
@@ -25,12 +25,24 @@ from typing import Any, Literal
 
 import httpx
 
-from agentrl.rollout.base import EngineError, RetryableEngineError
-from agentrl.rollout.sglang_engine import Completion, GatedEngine, finish_reason, parse_sglang_output, sglang_request
-from agentrl.types import SamplingParams
+from agentrl.config.schema import SamplingConfig
+from agentrl.rollout.base import Completion, EngineError, GatedEngine, RetryableEngineError, finish_reason
+from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
 
 Flavor = Literal["auto", "sglang", "vllm", "openai"]
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request_id with this
+
+
+class RejectedError(EngineError):
+    """The server answered with a 4xx status: the request itself is wrong, retrying it elsewhere will not help."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def __reduce__(self) -> tuple[type, tuple[str, int]]:
+        """Errors cross Ray actors pickled; the default reduce would rebuild it without the status."""
+        return type(self), (str(self), self.status)
 
 
 def _server_message(response: httpx.Response) -> str:
@@ -46,7 +58,7 @@ def _server_message(response: httpx.Response) -> str:
     return str(body)[:500]
 
 
-def vllm_sampling(s: SamplingParams) -> dict[str, Any]:
+def vllm_sampling(s: SamplingConfig) -> dict[str, Any]:
     """vLLM SamplingParams fields as JSON: token ids out, log-prob of the sampled token, no detokenising."""
     return {
         "max_tokens": s.max_tokens,
@@ -71,7 +83,7 @@ def parse_vllm_generate(body: dict[str, Any]) -> Completion:
     return ids, [float(c["logprob"]) for c in content], finish_reason(choice.get("finish_reason"))
 
 
-def openai_completion_body(token_ids: list[int], s: SamplingParams, model: str | None) -> dict[str, Any]:
+def openai_completion_body(token_ids: list[int], s: SamplingConfig, model: str | None) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": list(token_ids),
         "max_tokens": s.max_tokens,
@@ -157,7 +169,8 @@ class RemoteEngine(GatedEngine):
         if response.status_code >= 500:
             raise RetryableEngineError(f"{self.url}{path}: HTTP {response.status_code}: {_server_message(response)}")
         if response.status_code >= 400:
-            raise EngineError(f"{self.url}{path}: HTTP {response.status_code}: {_server_message(response)}")
+            message = f"{self.url}{path}: HTTP {response.status_code}: {_server_message(response)}"
+            raise RejectedError(message, response.status_code)
         return response
 
     async def _post(self, path: str, body: dict[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -204,7 +217,7 @@ class RemoteEngine(GatedEngine):
         return "vllm" if "/inference/v1/generate" in paths else "openai"
 
     # ---- requests --------------------------------------------------------------------------------------------
-    async def _call(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def _call(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         if self.flavor == "sglang":
             return parse_sglang_output(await self._post("/generate", sglang_request(token_ids, sampling, request_id)))
         if self.flavor == "vllm":
@@ -214,7 +227,7 @@ class RemoteEngine(GatedEngine):
             await self._post("/v1/completions", openai_completion_body(token_ids, sampling, self.model))
         )
 
-    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def _complete(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         task = asyncio.ensure_future(self._call(token_ids, sampling, request_id))
         self._tasks[request_id] = task
         try:
@@ -264,8 +277,8 @@ class RemoteEngine(GatedEngine):
         try:
             rpc = {"method": "reload_weights", "kwargs": {"weights_path": source}}
             await self._post("/collective_rpc", rpc)
-        except EngineError as err:
-            if "HTTP 404" in str(err):
+        except RejectedError as err:
+            if err.status == 404:
                 raise EngineError(
                     f"{self.url}: this vLLM server exposes no weight-update endpoint; start it with "
                     "VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc reload_weights) or restart it on the new weights"

@@ -15,8 +15,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import DrainMode, EngineError, RetryableEngineError
-from agentrl.types import GenOutput, SamplingParams
+from agentrl.types import GenOutput
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Router:
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def generate(
-        self, episode_id: str, token_ids: list[int], sampling: SamplingParams, request_id: str
+        self, episode_id: str, token_ids: list[int], sampling: SamplingConfig, request_id: str
     ) -> GenOutput:
         self._ensure_health_loop()
         slot = self._pick(episode_id)

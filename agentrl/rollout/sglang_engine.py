@@ -1,68 +1,18 @@
 """SGLang backend: one in-process `sglang.Engine` per engine actor, token-in/token-out, versioned weight updates.
 
-SGLang is CUDA-only, so it is imported lazily (inside `start`) and this module imports on any machine. The wire
-format of SGLang's native `/generate` (input_ids, sampling_params, return_logprob -> output_ids,
-meta_info.output_token_logprobs, meta_info.finish_reason) is what `Engine.async_generate` returns too, so the
-mapping helpers here also serve the remote HTTP backend.
+SGLang is CUDA-only, so it is imported lazily (inside `start`) and this module imports on any machine. The
+request / result mapping lives in `agentrl.rollout.sglang_protocol`, shared with the remote HTTP backend.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
 from typing import Any
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
-from agentrl.types import FinishReason, SamplingParams
-
-
-def finish_reason(raw: Any) -> FinishReason:
-    """Normalise a server's finish reason (str or SGLang's {"type": ...}) to stop / length / abort."""
-    kind = raw.get("type") if isinstance(raw, dict) else raw
-    return kind if kind in ("stop", "length", "abort") else "stop"
-
-
-def sglang_sampling(s: SamplingParams, eos: Sequence[int] = ()) -> dict[str, Any]:
-    """SGLang's sampling_params dict (its names: max_new_tokens, sampling_seed; top_k=-1 means off)."""
-    params: dict[str, Any] = {
-        "max_new_tokens": s.max_tokens,
-        "temperature": s.temperature,
-        "top_p": s.top_p,
-        "top_k": s.top_k if s.top_k > 0 else -1,
-        "stop_token_ids": sorted(set(s.stop_token_ids) | (set() if s.ignore_eos else set(eos))),
-        "ignore_eos": s.ignore_eos,
-        "skip_special_tokens": False,
-        "no_stop_trim": True,  # keep the stop / EOS token: the trainer must see every sampled token
-    }
-    if s.seed is not None:
-        params["sampling_seed"] = s.seed
-    return params
-
-
-def sglang_request(token_ids: list[int], s: SamplingParams, request_id: str, eos: Sequence[int] = ()) -> dict[str, Any]:
-    """Fields of `Engine.async_generate(**...)` and of the JSON body of POST /generate."""
-    return {
-        "input_ids": list(token_ids),
-        "sampling_params": sglang_sampling(s, eos),
-        "return_logprob": True,
-        "rid": request_id,
-    }
-
-
-def parse_sglang_output(out: dict[str, Any]) -> Completion:
-    """Tokens, their log-probs and the finish reason from one SGLang generate result.
-
-    meta_info.output_token_logprobs is a list of (logprob, token_id, text-or-None); output_ids, when present,
-    must agree with it.
-    """
-    meta = out.get("meta_info") or {}
-    pairs = meta.get("output_token_logprobs") or []
-    ids = [int(p[1]) for p in pairs]
-    logprobs = [float(p[0]) if p[0] is not None else float("nan") for p in pairs]
-    if out.get("output_ids") is not None and [int(t) for t in out["output_ids"]] != ids:
-        raise EngineError(f"SGLang output_ids and output_token_logprobs disagree for request {meta.get('id')}")
-    return ids, logprobs, finish_reason(meta.get("finish_reason"))
+from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
 
 
 class SGLangEngine(GatedEngine):
@@ -109,7 +59,7 @@ class SGLangEngine(GatedEngine):
             self._start_seconds = time.perf_counter() - t0
         return {"start_s": self._start_seconds, "version": self._version}
 
-    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def _complete(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         try:
             out = await self._engine.async_generate(**sglang_request(token_ids, sampling, request_id, self._eos))
         except asyncio.CancelledError:

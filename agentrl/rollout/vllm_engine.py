@@ -13,9 +13,9 @@ import os
 import time
 from typing import Any
 
+from agentrl.config.schema import SamplingConfig
 from agentrl.platform import detect
-from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
-from agentrl.types import SamplingParams
+from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids, finish_reason
 
 
 class VLLMEngine(GatedEngine):
@@ -70,7 +70,7 @@ class VLLMEngine(GatedEngine):
             self._start_seconds = time.perf_counter() - t0
         return {"start_s": self._start_seconds, "version": self._version}
 
-    def _sampling(self, s: SamplingParams):
+    def _sampling(self, s: SamplingConfig):
         from vllm import SamplingParams as VSP
 
         return VSP(
@@ -85,7 +85,7 @@ class VLLMEngine(GatedEngine):
             detokenize=False,
         )
 
-    async def _complete(self, token_ids: list[int], sampling: SamplingParams, request_id: str) -> Completion:
+    async def _complete(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         """Stream one request to its end; an abort ends the stream with the partial tokens so far."""
         final = None
         try:
@@ -103,8 +103,7 @@ class VLLMEngine(GatedEngine):
         comp = final.outputs[0]
         ids = list(comp.token_ids)
         logprobs = [float(d[t].logprob) for t, d in zip(ids, comp.logprobs or [], strict=False)]
-        reason = comp.finish_reason if comp.finish_reason in ("stop", "length", "abort") else "stop"
-        return ids, logprobs, reason
+        return ids, logprobs, finish_reason(comp.finish_reason)
 
     async def _abort_ids(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)

@@ -176,7 +176,7 @@ def sequence_advantages(
 
     With `episode_ids`, every episode counts once however many samples (turns) it has: step-wise samples of
     long episodes would otherwise dominate the group mean and std. The episode's advantage then applies to each
-    of its samples (the form that learned on CPU in LEARNING_NOTES).
+    of its samples (the form that learned Sokoban on CPU).
     """
     if episode_ids is not None:
         first: dict[str, int] = {}

@@ -1,8 +1,9 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and Hugging Face exports.
 
 A checkpoint directory holds: DCP shards of model + optimizer (+ critic), `extra_rank{R}.pt` per rank
-(scheduler, RNG states, step, version), `meta.json`, and `hf/` (config + tokenizer files) so that
-`agentrl export CKPT OUT` can rebuild a plain HF model dir without the original model path.
+(schedulers, RNG state, policy version, optimizer steps), `meta.json` (version, optimizer steps, world size,
+optimizer names), and `hf/` (config + tokenizer files) so that `agentrl export CKPT OUT` can rebuild a plain HF
+model dir without the original model path.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Driver-side handle on the trainer ranks: starts `trainer.num_ranks` Ray actors forming one process group.
 
-Every method has a blocking form returning plain Python and an `_async` form returning a `ray.ObjectRef`
-(rank 0's result) so the pipeline can overlap training with rollout. Calls from one driver run in order on
-every rank; the other ranks' refs are kept and checked at the next call so a failure on any rank surfaces.
+The methods block and return plain Python: the pipeline overlaps training with rollout by running them in a
+worker thread (asyncio.to_thread). Only the two sides of a weight broadcast must run concurrently, so
+`init_weight_group_async` / `broadcast_weights_async` return rank 0's `ray.ObjectRef` instead. Calls from one
+driver run in order on every rank; the other ranks' refs are kept and checked at the next call so a failure on
+any rank surfaces.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class TrainerGroup:
         cfg_dict = cfg.model_dump(by_alias=True)
         self.ranks = [cls.remote(cfg_dict, path, r, n) for r in range(n)]
         self._pending: list[ray.ObjectRef] = []
-        self._version = 0
+        self._version = 0  # the ranks count it too; the driver tracks it so reading it costs no round trip
         # Rank 0 hosts the rendezvous, wherever Ray placed it (multi-node safe).
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
         ray.get([a.setup.remote(addr, port) for a in self.ranks])  # surface start-up errors here
@@ -61,57 +63,46 @@ class TrainerGroup:
 
     # ---- the API -------------------------------------------------------------------------------------------
 
-    def train_step_async(self, samples: list[Sample]) -> ray.ObjectRef:
-        return self._call("train_step", ray.put(samples))
-
     def train_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One RL step on this batch; metrics `train/{loss,kl,entropy,clip_frac,grad_norm,lr}` and more."""
-        out = self._get(self.train_step_async(samples))
-        self._version = int(out["train/version"])
+        """One RL step on this batch, which makes the next policy version; metrics
+        `train/{loss,kl,entropy,clip_frac,grad_norm,lr,optimizer_steps}` and more."""
+        out = self._get(self._call("train_step", ray.put(samples)))
+        self._version += 1
         return out
-
-    def sft_step_async(self, samples: list[Sample]) -> ray.ObjectRef:
-        return self._call("sft_step", ray.put(samples))
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """One supervised step (cross-entropy on loss-mask tokens); bumps the policy version too."""
-        out = self._get(self.sft_step_async(samples))
-        self._version = int(out["train/version"])
-        return out
-
-    def compute_logprobs_async(self, samples: list[Sample]) -> list[ray.ObjectRef]:
-        self._check_pending()
-        ref = ray.put(samples)
-        return [a.compute_logprobs.remote(ref) for a in self.ranks]
+        """One supervised step (cross-entropy on loss-mask tokens): a warm start, so the version stays."""
+        return self._get(self._call("sft_step", ray.put(samples)))
 
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-token log-probs under the current weights, aligned with token_ids (0.0 at position 0)."""
+        self._check_pending()
+        ref = ray.put(samples)
         merged: dict[int, list[float]] = {}
-        for part in ray.get(self.compute_logprobs_async(samples)):
+        for part in ray.get([a.compute_logprobs.remote(ref) for a in self.ranks]):
             merged.update(part)
         return [merged[i] for i in range(len(samples))]
 
-    def export_weights_async(self, out_dir: str) -> ray.ObjectRef:
-        return self._call("export_weights", out_dir)
-
     def export_weights(self, out_dir: str) -> str:
         """Full weights as HF safetensors in `out_dir` (/dev/shm on CPU): an engine's reload_weights dir."""
-        return self._get(self.export_weights_async(out_dir))
+        return self._get(self._call("export_weights", out_dir))
 
     def weight_metas(self) -> list:
         """Names, shapes, dtypes of the weights that `broadcast_weights_async` sends (for the receivers)."""
         return self._get(self._call("weight_metas"))
 
     def init_weight_group_async(self, addr: str, port: int, world_size: int) -> ray.ObjectRef:
-        """Accelerators: rank 0 joins a broadcast group with the engine workers; start both sides together."""
+        """Rank 0 joins a broadcast group with the engine workers; start both sides together. Not called by the
+        pipeline (engines reload `export_weights` snapshots): the collective path the multi-node work will wire."""
         return self._call("init_weight_group", addr, port, world_size)
 
     def broadcast_weights_async(self, bucket_bytes: int = 256 << 20) -> ray.ObjectRef:
-        """Accelerators: broadcast the current weights to the engines (who call `receive_weights` meanwhile)."""
+        """Broadcast the current weights to the engines (who call `receive_weights` meanwhile). Not called by the
+        pipeline yet: the collective path the multi-node work will wire."""
         return self._call("broadcast_weights", bucket_bytes)
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
-        """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, step, policy version."""
+        """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, policy version, optimizer steps."""
         return self._get(self._call("save_checkpoint", ckpt_dir))
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
@@ -121,11 +112,8 @@ class TrainerGroup:
 
     @property
     def version(self) -> int:
-        """Policy version = optimizer steps taken (as of the last completed blocking call)."""
-        return self._version
-
-    def get_version(self) -> int:
-        self._version = int(self._get(self._call("get_version")))
+        """Policy version = RL batches trained (the initial / warm-start weights are version 0): what engines
+        stamp on tokens and what max_staleness counts in."""
         return self._version
 
     def shutdown(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +27,43 @@ from agentrl.trainer.model import ValueModel, apply_fsdp2, forward_logprobs, for
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.types import Sample
 
-METRIC_KEYS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "is_weight",
-               "is_truncated", "ratio", "value_loss")  # fmt: skip
+RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
+           "is_truncated", "value_loss")  # fmt: skip
+SFT_SUMS = ("loss", "correct")
+
+
+class RankSums:
+    """Named float sums over micro-batches, added over ranks in one collective at the end of a step.
+
+    Every rank declares the same names, so the reduced vectors line up; the order lives only in here.
+    """
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self._sums = dict.fromkeys(names, 0.0)
+
+    def add(self, values: Mapping[str, float]) -> None:
+        """Add one micro-batch's values; a name not declared is an error (ranks would disagree on the shape)."""
+        for name, value in values.items():
+            if name not in self._sums:
+                raise KeyError(f"undeclared sum {name!r} (declared: {', '.join(self._sums)})")
+            self._sums[name] += value
+
+    def all_reduce(self) -> dict[str, float]:
+        """Collective: the sums over all ranks (names never added stay 0)."""
+        total = torch.tensor(list(self._sums.values()), dtype=torch.float64)
+        dist.all_reduce(total)
+        return dict(zip(self._sums, total.tolist(), strict=True))
+
+
+@dataclass
+class _RLBatch:
+    """What all optimizer steps of one train_step share, computed once before the first of them."""
+
+    samples: list[Sample]
+    mine: list[int]  # this rank's shard of the batch
+    fields: dict[str, dict[int, list[float]]]  # per-token loss inputs of this rank's samples, by sample index
+    model_tokens: list[int]  # per sample: tokens the loss can weigh (loss-mask tokens after the first)
+    episode_w: list[float] | None  # per sample, episode_mean only: 1 / model tokens of its episode
 
 
 class TrainerRank:
@@ -78,8 +115,8 @@ class TrainerRank:
             self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
         self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
         self.sft_opt = None
-        self.version = 0  # policy version = optimizer steps taken (RL and SFT)
-        self.step = 0  # RL train_step calls
+        self.version = 0  # policy version = RL batches trained (train_step calls); the initial weights are 0
+        self.optimizer_steps = 0  # every optimizer step: RL mini-batches and SFT steps
         return self.version
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
@@ -157,20 +194,20 @@ class TrainerRank:
         )
         return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
 
-    def _episode_token_weights(self, samples: list[Sample]) -> list[float]:
+    def _episode_token_weights(self, samples: list[Sample], model_tokens: list[int]) -> list[float]:
         """episode_mean: 1 / (model tokens of the sample's episode over the whole batch), per sample."""
         per_episode: dict[str, int] = {}
-        for s in samples:
-            per_episode[s.episode_id] = per_episode.get(s.episode_id, 0) + sum(s.loss_mask[1:])
+        for s, n in zip(samples, model_tokens, strict=True):
+            per_episode[s.episode_id] = per_episode.get(s.episode_id, 0) + n
         return [1.0 / max(per_episode[s.episode_id], 1) for s in samples]
 
-    def _denom(self, samples: list[Sample], mine: list[int], episode_w: list[float] | None) -> float:
-        """Global denominator of the samples in `mine` over all ranks: the sum of their token weights, i.e.
+    def _denom(self, rl: _RLBatch, part: list[int]) -> float:
+        """Global denominator of the samples in `part` over all ranks: the sum of their token weights, i.e.
         model tokens (token_mean), sequences with any (seq_mean_*) or episodes (episode_mean, fractional when an
         episode's turns fall into several mini-batches)."""
-        counts = [sum(samples[i].loss_mask[1:]) for i in mine]
-        if episode_w is not None:
-            local = sum(c * episode_w[i] for c, i in zip(counts, mine, strict=True))
+        counts = [rl.model_tokens[i] for i in part]
+        if rl.episode_w is not None:
+            local = sum(c * rl.episode_w[i] for c, i in zip(counts, part, strict=True))
         elif self.alg.loss_agg == "token_mean":
             local = float(sum(counts))
         else:
@@ -180,10 +217,11 @@ class TrainerRank:
         return float(total)
 
     def _mini_batches(self, mine: list[int], batch_size: int) -> list[list[int]]:
-        """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step."""
+        """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step
+        (seeded by the policy version, so a resumed run shuffles as the uninterrupted one would)."""
         k = max(1, min(self.alg.mini_batches, batch_size))
         order = list(mine)
-        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.step * 1009 + self.rank)
+        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.rank)
         order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
         return [sorted(order[j::k]) for j in range(k)]
 
@@ -194,12 +232,20 @@ class TrainerRank:
         `mini_batches` optimizer steps. The proximal policy stays the one from before the first optimizer
         step, so clipping bounds how far all of them together move it (the trust region)."""
         t0 = time.perf_counter()
+        rl = self._prepare(samples)
+        sums, grad_norms, lrs = self._optimize(rl)
+        self.version += 1
+        self.optimizer_steps += len(grad_norms)
+        return self._summarize(samples, sums, grad_norms, lrs, t0)
+
+    def _prepare(self, samples: list[Sample]) -> _RLBatch:
+        """Under the weights from before this step: the micro-batch plan, the proximal / reference log-probs
+        and values, advantages, and every per-token input of the loss."""
         alg = self.alg
         mbs = self._plan(samples)
         mine = [i for mb in mbs for i in mb]
-        decoupled = alg.loss == "decoupled_ppo"
         self.model.eval()
-        prox = self._logprob_pass(self.model, samples, mbs) if decoupled else None
+        prox = self._logprob_pass(self.model, samples, mbs) if alg.loss == "decoupled_ppo" else None
         ref = self._logprob_pass(self.ref, samples, mbs) if self.ref is not None else None
         values = self._value_pass(samples, mbs) if self.critic is not None else None
         advs, returns, _ = self._advantages(samples, mine, prox, ref, values)
@@ -214,20 +260,26 @@ class TrainerRank:
             fields["ref"] = ref
         if values is not None:
             fields["old_values"], fields["returns"] = values, returns
-        episode_w = self._episode_token_weights(samples) if alg.loss_agg == "episode_mean" else None
+        model_tokens = [sum(s.loss_mask[1:]) for s in samples]
+        episode_w = self._episode_token_weights(samples, model_tokens) if alg.loss_agg == "episode_mean" else None
         if episode_w is not None:
             fields["token_weight"] = {i: [episode_w[i]] * len(samples[i].token_ids) for i in mine}
-        sums = torch.zeros(len(METRIC_KEYS), dtype=torch.float64)
+        return _RLBatch(samples, mine, fields, model_tokens, episode_w)
+
+    def _optimize(self, rl: _RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
+        """`ppo_epochs` x `mini_batches` optimizer steps; returns the loss sums over all ranks, and each step's
+        grad norm and lr."""
+        sums = RankSums(RL_SUMS)
         grad_norms, lrs = [], []
         self.model.train()
-        for _ in range(alg.ppo_epochs):
-            for part in self._mini_batches(mine, len(samples)):
-                denom = self._denom(samples, part, episode_w)
+        for _ in range(self.alg.ppo_epochs):
+            for part in self._mini_batches(rl.mine, len(rl.samples)):
+                denom = self._denom(rl, part)
                 self.opt.zero_grad(set_to_none=True)
                 if self.critic is not None:
                     self.critic_opt.zero_grad(set_to_none=True)
-                for idx in self._plan(samples, part):
-                    sums += self._rl_micro_step(self._batch(samples, idx, fields), denom)
+                for idx in self._plan(rl.samples, part):
+                    sums.add(self._rl_micro_step(self._batch(rl.samples, idx, rl.fields), denom))
                 grad_norms.append(clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip))
                 lrs.append(self.opt.param_groups[0]["lr"])
                 self.opt.step()
@@ -236,11 +288,13 @@ class TrainerRank:
                     clip_grad_norm(self.critic.parameters(), self.tc.optim.grad_clip)
                     self.critic_opt.step()
                     self.critic_sched.step()
-                self.version += 1
-        self.step += 1
-        dist.all_reduce(sums)
-        m = dict(zip(METRIC_KEYS, sums.tolist(), strict=True))
-        ep, n_opt, tok = alg.ppo_epochs, len(grad_norms), max(m["tokens"], 1.0)
+        return sums.all_reduce(), grad_norms, lrs
+
+    def _summarize(
+        self, samples: list[Sample], m: dict[str, float], grad_norms: list[float], lrs: list[float], t0: float
+    ) -> dict[str, float]:
+        """The step's metrics: losses per optimizer step, token statistics per model token (over all epochs)."""
+        ep, n_opt, tok = self.alg.ppo_epochs, len(grad_norms), max(m["tokens"], 1.0)
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.token_ids) for s in samples)
         out = {
@@ -258,16 +312,16 @@ class TrainerRank:
             "train/model_tokens": m["tokens"] / ep,
             "train/step_time": elapsed,
             "train/tokens_per_s": n_tokens * ep / elapsed,
-            "train/version": float(self.version),
         }
-        if decoupled:
+        if self.alg.loss == "decoupled_ppo":
             out["train/is_weight_mean"] = m["is_weight"] / tok
             out["train/is_truncated_frac"] = m["is_truncated"] / tok
         if self.critic is not None:
             out["train/value_loss"] = m["value_loss"] / n_opt
         return out
 
-    def _rl_micro_step(self, batch: dict, denom: float) -> torch.Tensor:
+    def _rl_micro_step(self, batch: dict, denom: float) -> dict[str, float]:
+        """Forward and backward of one micro-batch (loss scaled for FSDP's rank average); its named sums."""
         alg = self.alg
         logp, ent = forward_logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
         mask, seq = batch["loss_mask"], batch["seq_ids"]
@@ -289,21 +343,16 @@ class TrainerRank:
         if alg.entropy_coef:
             total = total - alg.entropy_coef * losses.aggregate(ent, w, denom)
         (total * self.world).backward()
-        vloss = torch.zeros(())
+        sums = {"loss": total, "pg_loss": pg, "kl": (kl_tok * mask).sum(), "entropy": (ent * mask).sum(), **st}
         if self.critic is not None:
             v = forward_values(self.critic, batch)
-            vloss = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
-            (vloss * self.world).backward()
-        d = lambda x: float(x.detach())  # noqa: E731
-        return torch.tensor(
-            [d(total), d(pg), d((kl_tok * mask).sum()), d((ent * mask).sum()), d(st["clipped"]),
-             d(st["dual_clipped"]), d(st["tokens"]), d(st.get("is_weight", torch.zeros(()))),
-             d(st.get("is_truncated", torch.zeros(()))), d(st["ratio"]), d(vloss)],
-            dtype=torch.float64,
-        )  # fmt: skip
+            sums["value_loss"] = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
+            (sums["value_loss"] * self.world).backward()
+        return {k: float(v.detach()) for k, v in sums.items()}
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr."""
+        """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
+        A warm start, not an RL batch: it leaves the policy version alone."""
         t0 = time.perf_counter()
         if self.sft_opt is None:
             self.sft_opt, self.sft_sched = build_optimizer(
@@ -314,7 +363,7 @@ class TrainerRank:
         denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
         self.model.train()
         self.sft_opt.zero_grad(set_to_none=True)
-        sums = torch.zeros(2, dtype=torch.float64)
+        sums = RankSums(SFT_SUMS)
         for idx in mbs:
             batch = self._batch(samples, idx, fields)
             logp, _ = forward_logprobs(self.model, batch)
@@ -322,23 +371,22 @@ class TrainerRank:
             loss = losses.sft_loss(logp, w, denom)
             (loss * self.world).backward()
             correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
-            sums += torch.tensor([float(loss.detach()), float(correct)], dtype=torch.float64)
+            sums.add({"loss": float(loss.detach()), "correct": float(correct)})
         norm = clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip)
         lr = self.sft_opt.param_groups[0]["lr"]
         self.sft_opt.step()
         self.sft_sched.step()
-        self.version += 1
-        dist.all_reduce(sums)
+        self.optimizer_steps += 1
+        m = sums.all_reduce()
         elapsed = time.perf_counter() - t0
         n_tokens = sum(len(s.token_ids) for s in samples)
         return {
-            "sft/loss": float(sums[0]),
-            "sft/token_acc": float(sums[1]) / max(denom, 1.0),
+            "sft/loss": m["loss"],
+            "sft/token_acc": m["correct"] / max(denom, 1.0),
             "sft/grad_norm": norm,
             "sft/lr": lr,
             "sft/step_time": elapsed,
             "sft/tokens_per_s": n_tokens / elapsed,
-            "train/version": float(self.version),
         }
 
     def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
@@ -375,14 +423,16 @@ class TrainerRank:
         return [meta_of(k, v) for k, v in self.model.state_dict().items() if k not in skip]
 
     def init_weight_group(self, addr: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the weight-sync group with the engine workers (they must join concurrently)."""
+        """Rank 0 joins the collective weight-sync group with the engine workers (they must join concurrently).
+        Nothing calls this yet (engines reload `export_weights` snapshots): it is the path multi-node runs will wire."""
         if self.rank == 0:
             from agentrl.trainer.weight_sync import new_group
 
             self._sync_group = new_group(detect().dist_backend, addr, port, 0, world_size)
 
     def broadcast_weights(self, bucket_bytes: int) -> int:
-        """Collective gather of the full weights, then rank 0 broadcasts them bucket by bucket (device only)."""
+        """Collective gather of the full weights, then rank 0 broadcasts them bucket by bucket to the engine workers.
+        Not called by the pipeline, which exports safetensors: the collective path the multi-node work will wire."""
         state = self.full_state_dict()
         if self.rank == 0:
             from agentrl.trainer.weight_sync import broadcast_state_dict
@@ -400,19 +450,21 @@ class TrainerRank:
         return opts
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
+        """Collective: model, optimizers, schedulers, RNG, policy version and optimizer steps."""
         extra = {
             "sched": self.sched.state_dict(),
             "sft_sched": self.sft_sched.state_dict() if self.sft_opt is not None else None,
             "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
             "rng": torch.get_rng_state(),
-            "step": self.step,
             "version": self.version,
+            "optimizer_steps": self.optimizer_steps,
         }
-        meta = {"step": self.step, "version": self.version, "world_size": self.world}
+        meta = {"version": self.version, "optimizer_steps": self.optimizer_steps, "world_size": self.world}
         save_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic)
         return ckpt_dir
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
+        """Collective inverse of `save_checkpoint`; returns the restored policy version."""
         import json
 
         with open(os.path.join(ckpt_dir, "meta.json")) as f:
@@ -428,10 +480,7 @@ class TrainerRank:
         if extra.get("critic_sched") is not None and self.critic is not None:
             self.critic_sched.load_state_dict(extra["critic_sched"])
         torch.set_rng_state(extra["rng"])
-        self.step, self.version = int(extra["step"]), int(extra["version"])
-        return self.version
-
-    def get_version(self) -> int:
+        self.version, self.optimizer_steps = int(extra["version"]), int(extra["optimizer_steps"])
         return self.version
 
     def shutdown(self) -> None:

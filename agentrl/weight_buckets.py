@@ -1,0 +1,88 @@
+"""The flat-bucket format of the collective weight broadcast, shared by its two ends.
+
+The sender (trainer rank 0, `agentrl.trainer.weight_sync`) and the receivers (engine workers,
+`agentrl.rollout.vllm_worker`) compute the same bucket plan from the same tensor metadata and join the same
+process group, so this module depends on neither side.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "float32" (strings pickle across processes and versions)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+
+def meta_of(name: str, t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+
+
+def plan_buckets(metas: Iterable[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[TensorMeta]]:
+    """Consecutive tensors grouped into buckets of at most `bucket_bytes`, one dtype per bucket (a tensor larger
+    than the limit gets its own bucket). Sender and receivers compute the same plan from the same metas."""
+    buckets: list[list[TensorMeta]] = []
+    cur: list[TensorMeta] = []
+    size = 0
+    for m in metas:
+        nbytes = m.numel * torch.empty((), dtype=m.torch_dtype).element_size()
+        if cur and (size + nbytes > bucket_bytes or cur[0].dtype != m.dtype):
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(m)
+        size += nbytes
+    if cur:
+        buckets.append(cur)
+    return buckets
+
+
+def pack_bucket(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One flat contiguous buffer holding the bucket's tensors back to back."""
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def unpack_bucket(flat: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str, torch.Tensor]]:
+    """Views into `flat`, named and shaped as the sender's tensors (what `model.load_weights` takes)."""
+    out, offset = [], 0
+    for m in metas:
+        out.append((m.name, flat[offset : offset + m.numel].view(m.shape)))
+        offset += m.numel
+    return out
+
+
+def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
+    """A process group over a fresh TCPStore (rank 0 hosts it), independent of any default group, so trainer
+    rank 0 and engine workers living in other process groups can share it. backend: gloo | nccl | hccl."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":  # checked only on a device
+        return dist.ProcessGroupNCCL(store, rank, world_size)
+    if backend == "hccl":  # checked only on a device; torch_npu exists only where an NPU does
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
+
+        return ProcessGroupHCCL(store, rank, world_size)
+    raise ValueError(f"unknown weight-sync backend {backend!r} (known: gloo, nccl, hccl)")
