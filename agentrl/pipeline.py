@@ -26,7 +26,7 @@ import ray
 
 from agentrl.buffer import SampleBuffer
 from agentrl.config import Config, dump_yaml
-from agentrl.envmanager.manager import evaluate, start_managers
+from agentrl.envmanager.manager import check_turn_limits, evaluate, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads
@@ -47,6 +47,7 @@ def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
 
 class Pipeline:
     def __init__(self, cfg: Config, run_dir: Path):
+        check_turn_limits(cfg)  # before anything slow starts
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -180,6 +181,7 @@ class Pipeline:
         with timed(metrics, "timing/train"):
             metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
         state.step += 1
+        metrics["train/version"] = float(self.trainer.version)
         with timed(metrics, "timing/weight_sync"):
             await self.sync_weights(state.step)
         await self.buffer.set_version(state.step)

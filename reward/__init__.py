@@ -10,7 +10,8 @@
 
 from agentrl.reward.pool import RewardPool, RewardWorker, combine
 from agentrl.reward.registry import UnknownRewardError, register, registered, resolve
-from agentrl.reward.types import Episode, FnOutput, RewardContext, RewardResult
+from agentrl.reward.types import FnOutput, RewardContext, RewardResult
+from agentrl.types import Episode
 
 __all__ = [
     "Episode",

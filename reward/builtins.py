@@ -15,7 +15,8 @@ import string
 from typing import Any
 
 from agentrl.reward.registry import register
-from agentrl.reward.types import Episode, FnOutput
+from agentrl.reward.types import FnOutput
+from agentrl.types import Episode
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.IGNORECASE | re.DOTALL)
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")

@@ -16,7 +16,8 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from agentrl.reward.registry import call_reward_sync
-from agentrl.reward.types import Episode, FnOutput
+from agentrl.reward.types import FnOutput
+from agentrl.types import Episode
 
 
 class ProcessSlots:

@@ -21,7 +21,8 @@ from typing import Any
 
 from agentrl.reward.builtins import extract_answer
 from agentrl.reward.registry import register
-from agentrl.reward.types import Episode, FnOutput, RewardContext
+from agentrl.reward.types import FnOutput, RewardContext
+from agentrl.types import Episode
 
 DEFAULT_TEMPLATE = (
     "Grade the answer to the question.\n"

@@ -19,7 +19,8 @@ from typing import Any
 from agentrl.config.schema import RewardConfig, RewardFnSpec
 from agentrl.reward.isolation import ProcessSlots
 from agentrl.reward.registry import call_reward, resolve
-from agentrl.reward.types import Episode, FnOutput, RewardContext, RewardResult
+from agentrl.reward.types import FnOutput, RewardContext, RewardResult
+from agentrl.types import Episode
 
 THREADS_PER_WORKER = 64  # sync reward functions run in threads; sleeping/IO-bound ones overlap up to this
 

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
-from agentrl.reward.types import Episode, FnOutput, RewardContext
+from agentrl.reward.types import FnOutput, RewardContext
+from agentrl.types import Episode
 
 RewardFn = Callable[..., Any]
 _REGISTRY: dict[str, RewardFn] = {}

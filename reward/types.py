@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.types import Episode  # noqa: F401  (until every importer takes it from agentrl.types)
-
 
 @dataclass
 class RewardResult:

@@ -111,8 +111,7 @@ def _call_model(t: Tool) -> type[BaseModel]:
 def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """Build the tool server app. With `token`, all paths but /health need `Authorization: Bearer <token>`."""
     limits = limits or ServerLimits()
-    by_name = {t.name: t for t in tools}
-    if len(by_name) != len(tools):
+    if len({t.name for t in tools}) != len(tools):
         raise ValueError("duplicate tool names")
     sessions = SessionStore(limits.max_sessions)
     limiter = _Limiter(limits)

@@ -32,9 +32,10 @@ def _fleet(cfg, model_path: str) -> list:
     """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
     import ray
 
-    from agentrl.envmanager.manager import start_managers
+    from agentrl.envmanager.manager import check_turn_limits, start_managers
     from agentrl.rollout.fleet import start_engines, start_router
 
+    check_turn_limits(cfg)
     if not ray.is_initialized():
         ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
     engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)

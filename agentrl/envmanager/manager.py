@@ -148,7 +148,6 @@ def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any =
 
     from agentrl.platform import worker_env
 
-    check_turn_limits(cfg)
     cls = ray.remote(EnvManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()})
     return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]
 

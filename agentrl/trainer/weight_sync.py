@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, TensorMeta, meta_of, new_group, pack_bucket, plan_buckets
-
-__all__ = ["broadcast_state_dict", "meta_of", "new_group"]
+from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, TensorMeta, meta_of, pack_bucket, plan_buckets
 
 
 def broadcast_state_dict(

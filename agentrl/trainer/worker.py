@@ -417,7 +417,7 @@ class TrainerRank:
 
     def weight_metas(self) -> list:
         """Names, full shapes and dtypes of the exported weights: engines need them before a broadcast."""
-        from agentrl.trainer.weight_sync import meta_of
+        from agentrl.weight_buckets import meta_of
 
         skip = {"lm_head.weight"} if self.tied else set()
         return [meta_of(k, v) for k, v in self.model.state_dict().items() if k not in skip]
@@ -426,7 +426,7 @@ class TrainerRank:
         """Rank 0 joins the collective weight-sync group with the engine workers (they must join concurrently).
         Nothing calls this yet (engines reload `export_weights` snapshots): it is the path multi-node runs will wire."""
         if self.rank == 0:
-            from agentrl.trainer.weight_sync import new_group
+            from agentrl.weight_buckets import new_group
 
             self._sync_group = new_group(detect().dist_backend, addr, port, 0, world_size)
 
