@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 import ray
@@ -51,8 +52,18 @@ async def test_multi_turn_sokoban_is_token_exact(manager, tiny_model_path):
 async def test_weight_update_mid_turn_resumes_with_both_versions(manager, vllm_fleet, tiny_model_path, tmp_path):
     _, engines, router = vllm_fleet
     version = (await engines[0].stats.remote())["version"]
+
+    async def requests_done() -> int:
+        return sum(s["requests_done"] for s in await asyncio.gather(*(e.stats.remote() for e in engines)))
+
+    done_before = await requests_done()
     task = asyncio.ensure_future(manager.run_episode.remote(_spec(22, 400, ignore_eos=True)))
-    await asyncio.sleep(1.0)
+    # Update once the first turn is done (all its tokens on the old weights), while the second one generates:
+    # waiting for a condition, not a fixed time, so a loaded machine cannot make the update land too early.
+    deadline = time.monotonic() + 120
+    while await requests_done() == done_before:
+        assert time.monotonic() < deadline and not task.done(), "the episode's first turn never finished"
+        await asyncio.sleep(0.02)
     new_dir = tmp_path / "w"
     shutil.copytree(tiny_model_path, new_dir)
     weights = load_file(f"{new_dir}/model.safetensors")
