@@ -18,7 +18,7 @@ FinishReason = Literal["stop", "length", "abort"]
 Truncation = Literal["max_turns", "max_total_tokens", "env_truncated"]
 
 
-def group_id(split: str, tag: str, seed: int) -> str:
+def group_id_for(split: str, tag: str, seed: int) -> str:
     """Id of the episodes rolled out on one task seed (a GRPO group); also names the task in logs."""
     return f"{split}/{tag}/{seed}"
 
@@ -61,7 +61,7 @@ class EpisodeSpec:
 
     @property
     def group_id(self) -> str:
-        return group_id(self.split, self.tag, self.seed)
+        return group_id_for(self.split, self.tag, self.seed)
 
     @property
     def episode_id(self) -> str:

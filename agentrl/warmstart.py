@@ -7,7 +7,7 @@ from typing import Any
 from agentrl.config.schema import Config
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.envs import make_env
-from agentrl.types import Sample, group_id
+from agentrl.types import Sample, group_id_for
 
 DEMO_SEED_OFFSET = 2_000_000  # disjoint from training (0...) and validation (validation.seed_start...) seeds
 
@@ -40,8 +40,8 @@ def expert_samples(cfg: Config, tokenizer: Any, episodes: int) -> list[Sample]:
                     [0.0] * (len(prompt) + len(answer)),
                     [-1] * (len(prompt) + len(answer)),
                     reward=0.0,
-                    group_id=group_id("demo", tag, i),
-                    episode_id=group_id("demo", tag, i),
+                    group_id=group_id_for("demo", tag, i),
+                    episode_id=group_id_for("demo", tag, i),
                 )
             )
             obs, _, terminated, truncated, _ = env.step(action)
