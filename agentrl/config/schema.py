@@ -147,6 +147,13 @@ class RolloutConfig(Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     val_sampling: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
     request_timeout_s: PositiveFloat = 300.0
+    restart_engines: int = Field(2, ge=0, description="restarts of each dead engine before giving it up; 0 = never")
+    no_engine_timeout_s: PositiveFloat = Field(
+        60.0, description="stop the run (leaving a checkpoint) when no engine has been healthy this long"
+    )
+    stop_after_failed_groups: PositiveInt = Field(
+        8, description="stop the run when every episode of this many consecutive groups failed"
+    )
 
     def sampling_for(self, split: str) -> SamplingConfig:
         """The sampling of a split's episodes: validation applies `val_sampling` on top of `sampling`."""
