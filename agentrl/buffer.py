@@ -13,22 +13,41 @@ groups that finished first may have filled earlier batches). So every token of e
 `max_staleness` versions old, and finished work is never thrown away for being slow.
 max_staleness=0 is synchronous on-policy RL: the next batch cannot start until the trainer has produced the
 version it will be sampled from, and each batch waits for all of its episodes.
+
+The buffer is also the one ledger of admitted work: every admitted group is either running or ready (or was
+handed to the trainer), and each move between those happens in one step on the event loop, so `state()` is a
+consistent snapshot for checkpoints. A run that cannot make progress (nothing running, too few groups ready,
+admission closed; or every episode of many groups in a row failed) raises RolloutStalled instead of hanging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from agentrl.types import Group, Sample
 
 
+class RolloutStalled(RuntimeError):
+    """The run cannot make progress (no healthy engine, every episode failing, or a deadlocked buffer)."""
+
+
 def admission_limit(max_staleness: int, trainer_version: int, batch_episodes: int) -> int:
     """Episodes that may have been started in total while the trainer is at `trainer_version`."""
     return (max_staleness + trainer_version + 1) * batch_episodes
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One admitted task group: what to re-run if the run stops before it comes back."""
+
+    key: int  # admission order
+    tag: str
+    seed: int
+    episodes: int
+    version: int  # the trainer version when admitted; put() stamps it on the group as admitted_version
 
 
 @dataclass
@@ -59,50 +78,62 @@ class SampleBuffer:
         batch_episodes: int,
         max_staleness: int,
         drop_zero_variance: bool = False,
-        start_version: int = 0,
-        started_episodes: int | None = None,
+        stop_after_failed_groups: int = 0,
     ):
         self.batch_groups = batch_groups
         self.batch_episodes = batch_episodes
         self.max_staleness = max_staleness
         self.drop_zero_variance = drop_zero_variance
-        self.version = start_version
-        # On resume, count the batches already consumed as started so the formula stays the same.
-        self.started = start_version * batch_episodes if started_episodes is None else started_episodes
-        self._running: Counter[int] = Counter()  # admission version -> episodes still running
+        self.stop_after_failed_groups = stop_after_failed_groups  # 0 = never stop for failing groups
+        self.version = 0
+        self.started = 0  # episodes admitted, less those given back by filtered groups
+        self._next_key = 0
+        self._running: dict[int, Admission] = {}
         self._ready: list[Group] = []
+        self._waiting_admission = 0  # episodes the producer is waiting to start
+        self._failed_in_a_row = 0
+        self._first_failure = ""
+        self._stalled: str | None = None
         self._changed = asyncio.Condition()
         self.stats = BufferStats()
 
     @property
     def in_flight(self) -> int:
         """Episodes admitted and not yet put back."""
-        return sum(self._running.values())
+        return sum(a.episodes for a in self._running.values())
 
     # ---- producer side ---------------------------------------------------------------------------------------
     def can_start(self, episodes: int) -> bool:
         return self.started + episodes <= admission_limit(self.max_staleness, self.version, self.batch_episodes)
 
-    async def admit(self, episodes: int) -> int:
-        """Wait until `episodes` more may start under the staleness bound, count them as started, and return the
-        admission version (put() the finished group with it as `admitted_version`)."""
+    async def admit(self, tag: str, seed: int, episodes: int) -> Admission:
+        """Wait until `episodes` more may start under the staleness bound, then record the group as running.
+        The caller must start the group with no `await` in between, so a snapshot never misses it."""
         async with self._changed:
             t0 = time.perf_counter()
             idle = self.in_flight == 0
-            await self._changed.wait_for(lambda: self.can_start(episodes))
+            self._waiting_admission = episodes
+            self._changed.notify_all()  # a trainer waiting for a batch re-checks for a deadlock
+            try:
+                await self._changed.wait_for(lambda: self.can_start(episodes))
+            finally:
+                self._waiting_admission = 0
             if idle:
                 self.stats.rollout_blocked_s += time.perf_counter() - t0
             self.started += episodes
-            self._running[self.version] += episodes
-            return self.version
+            self._next_key += 1
+            admission = Admission(self._next_key, tag, seed, episodes, self.version)
+            self._running[admission.key] = admission
+            return admission
 
-    async def put(self, group: Group, planned_episodes: int) -> None:
+    async def put(self, admission: Admission, group: Group) -> None:
+        """A group came back: it moves from running to ready (or is counted and dropped) in one step."""
         async with self._changed:
-            self._running[group.admitted_version] -= planned_episodes
-            if self._running[group.admitted_version] <= 0:
-                del self._running[group.admitted_version]
+            del self._running[admission.key]
+            group.admitted_version = admission.version
             self.stats.episodes_failed += len(group.failures)
             self.stats.rewards_missing += len(group.missing_rewards)
+            self._count_failures(group, admission.episodes)
             keep = bool(group.samples)
             if keep and self.drop_zero_variance:
                 returns = {s.episode_id: s.reward for s in group.samples}
@@ -112,19 +143,62 @@ class SampleBuffer:
             else:
                 # Filtered or empty: give its admission back so a replacement group can start.
                 self.stats.groups_filtered += 1
-                self.started -= planned_episodes
+                self.started -= admission.episodes
+            self._changed.notify_all()
+
+    def _count_failures(self, group: Group, episodes: int) -> None:
+        """Stop the run once every episode of `stop_after_failed_groups` groups in a row failed."""
+        if not group.failures or len(group.failures) < episodes:
+            self._failed_in_a_row = 0
+            return
+        if self._failed_in_a_row == 0:
+            self._first_failure = group.failures[0]
+        self._failed_in_a_row += 1
+        if self.stop_after_failed_groups and self._failed_in_a_row >= self.stop_after_failed_groups:
+            self._stalled = (
+                f"every episode of the last {self._failed_in_a_row} groups failed; the first: {self._first_failure}"
+            )
+
+    async def stall(self, reason: str) -> None:
+        """Make the trainer's next (or current) wait for a batch raise RolloutStalled(reason)."""
+        async with self._changed:
+            self._stalled = reason
             self._changed.notify_all()
 
     # ---- trainer side ----------------------------------------------------------------------------------------
     def _due_running(self) -> bool:
         """A group that must be trained in this batch (admitted max_staleness versions ago) is still running."""
-        return any(v <= self.version - self.max_staleness for v in self._running)
+        return any(a.version <= self.version - self.max_staleness for a in self._running.values())
+
+    def _deadlocked(self) -> bool:
+        """Nothing running, too few groups ready, and the producer cannot start more: no one can move."""
+        return (
+            not self._running
+            and len(self._ready) < self.batch_groups
+            and self._waiting_admission > 0
+            and not self.can_start(self._waiting_admission)
+        )
 
     async def get_batch(self) -> list[Group]:
         """`batch_groups` finished groups, earliest admitted first, once no due group is still running; more when
         more groups are due."""
         async with self._changed:
-            await self._changed.wait_for(lambda: len(self._ready) >= self.batch_groups and not self._due_running())
+            await self._changed.wait_for(
+                lambda: (
+                    self._stalled is not None
+                    or self._deadlocked()
+                    or (len(self._ready) >= self.batch_groups and not self._due_running())
+                )
+            )
+            if self._stalled is not None:
+                raise RolloutStalled(self._stalled)
+            if self._deadlocked():
+                raise RolloutStalled(
+                    f"buffer deadlock: {len(self._ready)} of {self.batch_groups} groups ready, none running, and "
+                    f"admission closed ({self.started} episodes started, limit "
+                    f"{admission_limit(self.max_staleness, self.version, self.batch_episodes)} at version "
+                    f"{self.version})"
+                )
             self._ready.sort(key=lambda g: g.admitted_version)  # stable: arrival order within a version
             due = sum(1 for g in self._ready if g.admitted_version <= self.version - self.max_staleness)
             n = max(self.batch_groups, due)
@@ -138,13 +212,22 @@ class SampleBuffer:
 
     # ---- checkpointing ---------------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
-        """Finished groups still queued and the admission counters (in-flight groups are re-run on resume)."""
-        return {"ready": list(self._ready), "started": self.started - self.in_flight, "version": self.version}
+        """A snapshot of the ledger: finished groups still queued, the groups still running (re-run on resume, in
+        admission order) and the admission counters without them. Synchronous, so it is one instant."""
+        running = sorted(self._running.values(), key=lambda a: a.key)
+        return {
+            "ready": list(self._ready),
+            "running": [(a.tag, a.seed) for a in running],
+            "started": self.started - self.in_flight,
+            "version": self.version,
+        }
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any]) -> list[tuple[str, int]]:
+        """Restore a snapshot; returns the groups that were running, for the producer to start again."""
         self._ready = list(state["ready"])
         self.started = state["started"]
         self.version = state["version"]
+        return list(state["running"])
 
 
 def staleness(samples: list[Sample], trainer_version: int) -> list[int]:

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import os
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,14 +28,22 @@ from typing import Any
 
 import ray
 
-from agentrl.buffer import SampleBuffer
-from agentrl.config import Config, dump_yaml
-from agentrl.envmanager.manager import check_turn_limits, evaluate, start_managers
+from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
+from agentrl.config import Config, check_model_loads, dump_yaml
+from agentrl.envmanager.manager import (
+    FirstOfKind,
+    check_envs_in_actor,
+    check_turn_limits,
+    evaluate,
+    start_managers,
+)
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads
+from agentrl.plugins import ray_runtime_env
 from agentrl.rollout.fleet import start_engines, start_router
-from agentrl.run_state import RunState, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
+from agentrl.rollout.router import fleet_metrics
+from agentrl.run_state import RunState, Snapshot, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
 from agentrl.step_metrics import batch_metrics
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Group
@@ -48,9 +60,11 @@ def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
 class Pipeline:
     def __init__(self, cfg: Config, run_dir: Path):
         check_turn_limits(cfg)  # before anything slow starts
+        check_envs_in_actor(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        check_model_loads(self.model_path)
         self.trainer = TrainerGroup(cfg, self.model_path)
         self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
         self.router = start_router(self.engines, cfg.rollout)
@@ -63,11 +77,15 @@ class Pipeline:
             batch_episodes=sum(s.groups_per_batch * s.group_size for s in train.values()),
             max_staleness=cfg.async_.max_staleness,
             drop_zero_variance=cfg.async_.drop_zero_variance_groups,
+            stop_after_failed_groups=cfg.rollout.stop_after_failed_groups,
         )
         self.state = RunState(schedule=TaskSchedule.for_envs(train))
-        self.in_flight: dict[int, tuple[str, int]] = {}
         self.last_val: dict[str, float] = {}
         self.tasks: set[asyncio.Future] = set()
+        self.log_failure = FirstOfKind("rollout")  # the env managers' logs stay in Ray's files; say it here
+        self.fleet: dict[str, float] = {}  # the router's engine counts, logged with every step
+        self.stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next safe point
+        self._batch_wait: asyncio.Future | None = None
         self.sink = MetricsSink(
             run_dir,
             cfg.logging.console,
@@ -78,7 +96,7 @@ class Pipeline:
             cfg.name,
             cfg.model_dump(mode="json", by_alias=True),
         )
-        self.weights_root = Path("/dev/shm" if Path("/dev/shm").is_dir() else run_dir) / f"agentrl-{cfg.name}-weights"
+        self.weights_root = weights_dir(run_dir, cfg.name)
 
     def _reward_pool(self) -> Any:
         if not self.cfg.reward.functions:
@@ -89,30 +107,43 @@ class Pipeline:
 
     # ---- rollout side ----------------------------------------------------------------------------------------
     async def produce(self) -> None:
-        """Start groups for as long as the staleness bound admits them; never waits on the trainer directly."""
-        for tag, seed in self.state.take_resumed():
-            await self._start_group(tag, seed)
+        """Start groups (ones to re-run first) for as long as the staleness bound admits them; never waits on the
+        trainer directly."""
         while True:
-            tag, seed = self.state.schedule.next()
-            await self._start_group(tag, seed)
+            tag, seed = self.state.peek_task()
+            admission = await self.buffer.admit(tag, seed, self.group_sizes[tag])
+            self.state.take_task()  # no await since admit(): no snapshot can see the group twice or not at all
+            manager = self.managers[admission.key % len(self.managers)]
+            self.tasks.add(asyncio.ensure_future(self._run_group(manager, admission)))
 
-    async def _start_group(self, tag: str, seed: int) -> None:
-        size = self.group_sizes[tag]
-        version = await self.buffer.admit(size)
-        key = self.state.next_group_key()
-        self.in_flight[key] = (tag, seed)
-        manager = self.managers[key % len(self.managers)]
-        self.tasks.add(asyncio.ensure_future(self._run_group(manager, key, tag, seed, size, version)))
-
-    async def _run_group(self, manager: Any, key: int, tag: str, seed: int, size: int, version: int) -> None:
+    async def _run_group(self, manager: Any, admission: Admission) -> None:
+        tag, seed = admission.tag, admission.seed
         try:
             result = await manager.run_group.remote(tag, seed)
-        except Exception as err:  # a dead manager or engine fleet: count it, keep going
-            result = Group(tag=tag, seed=seed, failures=[f"group {tag}/{seed}: {err}"])
-        self.in_flight.pop(key, None)
-        result.admitted_version = version
-        await self.buffer.put(result, size)
+        except Exception as err:  # a dead manager: every episode of the group failed; count them, keep going
+            result = Group(tag=tag, seed=seed, failures=[f"group {tag}/{seed}: {err}"] * admission.episodes)
+        for failure in result.failures:
+            episode, _, error = failure.partition(": ")
+            self.log_failure(episode, error)
+        await self.buffer.put(admission, result)
         self.tasks = {t for t in self.tasks if not t.done()}
+
+    async def watch_engines(self, every_s: float = 2.0) -> None:
+        """Print engine deaths and restarts as they happen; stop the run when no engine has been healthy for
+        rollout.no_engine_timeout_s (the trainer's wait for a batch raises RolloutStalled)."""
+        timeout = self.cfg.rollout.no_engine_timeout_s
+        while True:
+            status = await self.router.fleet_status.remote()
+            for line in status["events"]:
+                print(f"agentrl: {line}", file=sys.stderr, flush=True)
+            self.fleet = fleet_metrics(status)
+            if status["no_live_s"] > timeout:
+                await self.buffer.stall(
+                    f"no healthy rollout engine for {status['no_live_s']:.0f} s (rollout.no_engine_timeout_s="
+                    f"{timeout:g}); {status['deaths']} engine deaths, {status['restarts']} restarts"
+                )
+                return
+            await asyncio.sleep(every_s)
 
     # ---- weights ---------------------------------------------------------------------------------------------
     async def sync_weights(self, version: int) -> None:
@@ -140,47 +171,68 @@ class Pipeline:
         for step in range(sft.steps):
             start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
             metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
-        return {**metrics, "sft/seconds": time.perf_counter() - t0, "sft/samples": len(demos)}
+        return {
+            **metrics,
+            "sft/seconds": time.perf_counter() - t0,
+            "sft/samples": len(demos),
+            "sft/failed_episodes": float(demos.failed_episodes),
+        }
 
     # ---- the loop --------------------------------------------------------------------------------------------
     async def run(self, resume_from: Path | None) -> dict[str, float]:
         cfg, state = self.cfg, self.state
+        self._handle_stop_signals()
         if resume_from is not None:
-            state = self.state = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
+            snapshot = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
+            state = self.state = snapshot.state
+            print(f"agentrl: {snapshot.describe()}", flush=True)
+            self._forget_trained_after(state.step)
             await self.sync_weights(state.step)
         else:
+            self._forget_trained_after(0)  # a run killed before its first checkpoint starts again from scratch
             if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
                 self.sink.log(0, await self.warm_start())
                 await self.sync_weights(0)
             if self._validates():
                 state.first_val = await self.validate()
                 self.sink.log(state.step, state.first_val)
-        producer = asyncio.ensure_future(self.produce())
+        background = [self._background(self.produce()), self._background(self.watch_engines())]
         try:
-            while state.step < cfg.trainer.total_steps:
+            while state.step < cfg.trainer.total_steps and self.stop_signal is None:
                 metrics = await self.train_step()
-                self.sink.log(state.step, metrics)
+                if metrics is not None:
+                    self.sink.log(state.step, metrics)
+        except RolloutStalled:
+            await self.save()  # resumable: the stall came before the next batch was taken
+            raise
         finally:
-            producer.cancel()
+            for task in background:
+                task.cancel()
+        if self.stop_signal is not None:
+            await self.save()
+            return {"first": state.first_val, "last": self.last_val}
         if self._validates() and not self._validates(state.step):
             self.last_val = await self.validate()
             self.sink.log(state.step, self.last_val)
         await self.save()
         return {"first": state.first_val, "last": self.last_val}
 
-    async def train_step(self) -> dict[str, float]:
+    async def train_step(self) -> dict[str, float] | None:
         """One RL step: a batch from the buffer, a trainer step, the new weights to the engines, then
-        validation and a checkpoint when due."""
+        validation and a checkpoint when due. None when a stop signal came while waiting for the batch."""
         state, metrics = self.state, {}
         t_step, stats_before = time.perf_counter(), replace(self.buffer.stats)
         with timed(metrics, "timing/rollout"):  # the trainer's wait for a batch
-            groups = await self.buffer.get_batch()
+            groups = await self._next_batch()
+        if groups is None:
+            return None
         samples = [s for g in groups for s in g.samples]
-        self._record_trained(state.step + 1, groups)
         metrics.update(batch_metrics(groups, samples, state.step))
         with timed(metrics, "timing/train"):
             metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
         state.step += 1
+        state.trained += len(groups)
+        self._record_trained(state.step, groups)
         metrics["train/version"] = float(self.trainer.version)
         with timed(metrics, "timing/weight_sync"):
             await self.sync_weights(state.step)
@@ -193,6 +245,7 @@ class Pipeline:
         wall = time.perf_counter() - t_step
         tokens = sum(s.num_model_tokens for s in samples)
         metrics.update(self.buffer.stats.metrics_since(stats_before, wall))
+        metrics.update(self.fleet)
         metrics.update({
             "timing/step": wall,
             "idle/trainer": metrics["timing/rollout"] / wall,
@@ -207,15 +260,63 @@ class Pipeline:
         every = self.cfg.validation.every_steps
         return bool(every and self.cfg.envs.val) and (step is None or step % every == 0)
 
+    def _background(self, work: Any) -> asyncio.Task:
+        """A task beside the training loop; if it fails, the loop's wait for a batch raises instead of hanging."""
+        task = asyncio.ensure_future(work)
+
+        def check(done: asyncio.Task) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                err = done.exception()
+                self.tasks.add(asyncio.ensure_future(self.buffer.stall(f"{work.__name__} failed: {err!r}")))
+
+        task.add_done_callback(check)
+        return task
+
+    async def _next_batch(self) -> list[Group] | None:
+        """The buffer's next batch, or None if a stop signal interrupts the wait (no group is taken then)."""
+        self._batch_wait = asyncio.ensure_future(self.buffer.get_batch())
+        try:
+            return await self._batch_wait
+        except asyncio.CancelledError:
+            if self.stop_signal is None:
+                raise
+            return None
+
+    def _handle_stop_signals(self) -> None:
+        """First SIGINT/SIGTERM: finish the step under way (or stop waiting for a batch), save, exit. A second one
+        gets the default handling (exit at once)."""
+        loop = asyncio.get_running_loop()
+
+        def stop(sig: int) -> None:
+            self.stop_signal = sig
+            for s in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(s)
+            if self._batch_wait is not None:
+                self._batch_wait.cancel()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop, sig)
+
+    @property
+    def trained_log(self) -> Path:
+        """Which task groups each step trained on, one JSON line per step (audits a run; resume tests read it)."""
+        return self.run_dir / "trained_groups.jsonl"
+
     def _record_trained(self, step: int, groups: list[Group]) -> None:
-        """Which task groups each step trained on (resume tests read it; handy to audit a run)."""
-        with (self.run_dir / "trained_groups.jsonl").open("a") as f:
+        with self.trained_log.open("a") as f:
             f.write(json.dumps({"step": step, "groups": [f"{g.tag}/{g.seed}" for g in groups]}) + "\n")
 
+    def _forget_trained_after(self, step: int) -> None:
+        """On resume: steps after the checkpoint are trained again, so their lines go."""
+        if self.trained_log.exists():
+            lines = self.trained_log.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= step]
+            self.trained_log.write_text("".join(f"{line}\n" for line in kept))
+
     async def save(self) -> Path:
-        pending = list(self.in_flight.values())
+        snapshot = Snapshot.take(self.state, self.buffer)  # one instant: taken before anything is awaited
         return await asyncio.to_thread(
-            save_run_state, self.run_dir, self.state, self.trainer, self.buffer, pending, self.cfg.checkpoint.keep_last
+            save_run_state, self.run_dir, snapshot, self.trainer, self.cfg.checkpoint.keep_last
         )
 
     def close(self) -> None:
@@ -226,20 +327,58 @@ class Pipeline:
         shutil.rmtree(self.weights_root, ignore_errors=True)
 
 
+def weights_dir(run_dir: Path, name: str) -> Path:
+    """Where exported weights go for the engines to load: shared memory when there is some, one folder per
+    driver process (two runs with one name do not collide), and folders of dead drivers (kill -9) removed."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
+    for old in base.glob("agentrl-weights-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return base / f"agentrl-weights-{name}-{os.getpid()}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def train(cfg: Config, resume: str | None = None) -> int:
-    """Run (or resume) a training run; prints held-out success before and after RL."""
+    """Run (or resume) a training run; prints held-out success before and after RL. A stop signal or a stalled
+    rollout saves a checkpoint and ends the run with one line saying how to resume it."""
     configure_cpu_threads(1)
     run_dir = Path(resume or cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     resume_from = latest_checkpoint(run_dir) if (resume or cfg.checkpoint.resume == "auto") else None
     if not ray.is_initialized():
-        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(
+            address=cfg.ray_address,
+            runtime_env=ray_runtime_env(),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
     pipeline = Pipeline(cfg, run_dir)
+    resume_hint = f"resume with: agentrl train {run_dir / 'config.yaml'} --resume {run_dir}"
     try:
         result = asyncio.run(pipeline.run(resume_from))
+    except RolloutStalled as err:
+        print(f"agentrl: stopped at step {pipeline.state.step}: {err}; {resume_hint}", file=sys.stderr)
+        return 1
     finally:
         pipeline.close()
+    if pipeline.stop_signal is not None:
+        name = signal.Signals(pipeline.stop_signal).name
+        print(f"agentrl: {name} at step {pipeline.state.step}: checkpoint saved; {resume_hint}", file=sys.stderr)
+        return 128 + pipeline.stop_signal
     first, last = result["first"], result["last"]
     if "val/success" in last:
         before = f"{first['val/success']:.3f}" if "val/success" in first else "n/a"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -41,3 +44,21 @@ def vllm_fleet(ray_session, tiny_model_path):
     for handle in [*engines, router]:
         with contextlib.suppress(Exception):  # already gone if a test killed it
             ray_session.kill(handle)
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Popen in a session of its own; when the test ends, pass or fail, its whole process group is killed, so a
+    run or server it started (and their children) never outlives the test."""
+    started: list[subprocess.Popen] = []
+
+    def start(args: list[str], **kwargs) -> subprocess.Popen:
+        proc = subprocess.Popen(args, start_new_session=True, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

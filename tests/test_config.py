@@ -156,3 +156,66 @@ def test_cli_help_lists_commands():
     assert res.returncode == 0
     for command in ("train", "config", "make-model"):
         assert command in res.stdout
+
+
+@pytest.mark.parametrize(
+    "path", sorted([*EXAMPLE.parent.glob("*.yaml"), *(Path(__file__).parent / "configs").glob("*.yaml")])
+)
+def test_shipped_run_configs_pass_config_show(path):
+    """Examples with a hub id, a cluster address or a remote tool server still validate on a laptop."""
+    if path.name == "tools.yaml":  # a tools file for `agentrl serve-tools`, not a run config
+        pytest.skip("not a run config")
+    res = _cli("config", "show", str(path))
+    assert res.returncode == 0, res.stderr
+
+
+def test_env_ids_and_train_envs_are_checked_on_load(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"envs\.val\.v\.env_id: unknown env id 'nope/Env-v0' \(registered: .*--import"
+    ):
+        load_config(EXAMPLE, ["+envs.val.v={env_id: nope/Env-v0}"])
+    with pytest.raises(ConfigError, match=r"envs: train is empty"):
+        load_config(EXAMPLE, ["envs.train={}"])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("envs:\n  train: {}\n")
+    with pytest.raises(ConfigError, match=r"envs: train is empty"):
+        load_config(bad)
+
+
+def test_model_path_rules(tmp_path, monkeypatch):
+    """builtin:tiny, a local HF dir (config.json), or a hub id; what looks local must exist."""
+    model = tmp_path / "model"
+    model.mkdir()
+    with pytest.raises(ConfigError, match=r"model\.path: .* is not a Hugging Face model directory \(no config\.json\)"):
+        load_config(None, [f"model.path={model}"])
+    (model / "config.json").write_text("{}")
+    assert load_config(None, [f"model.path={model}"]).model.path == str(model)
+    monkeypatch.chdir(tmp_path)
+    load_config(None, ["model.path=model", "model.path=./model"])  # relative, existing: local
+    for path in ("./missing", "../missing", "~/surely-missing-agentrl-model", str(tmp_path / "missing")):
+        with pytest.raises(ConfigError, match=r"model\.path: .*missing.* does not exist"):
+            load_config(None, [f"model.path={path}"])
+    with pytest.raises(ConfigError, match=r"model\.tokenizer: .* \(no tokenizer_config\.json\)"):
+        load_config(None, [f"model.tokenizer={model}"])
+    load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct"])  # a hub id: checked at start-up when online
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    with pytest.raises(ConfigError, match=r"model\.path: 'Qwen/Qwen2.5-0.5B-Instruct' is no local directory"):
+        load_config(None, ["model.path=Qwen/Qwen2.5-0.5B-Instruct"])
+
+
+def test_model_that_cannot_load_is_one_line(tmp_path):
+    from agentrl.config import check_model_loads
+
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"model\.path: cannot load") as err:
+        check_model_loads(str(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer:\n  total_steps: 3\n  optim: {lr: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert str(err.value).startswith(f"{bad}:4:1: invalid YAML: ") and "\n" not in str(err.value)

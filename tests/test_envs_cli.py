@@ -34,6 +34,9 @@ def test_envs_lists_builtin_and_imported_envs_with_defaults() -> None:
 def test_check_env_passes_an_env_from_a_test_module() -> None:
     out = agentrl("check-env", "tests/CountTo-v0", "target=4", "--import", "tests.envs_fixtures", "--json")
     assert out.returncode == 0, out.stdout + out.stderr
+    # options may also come between the positionals
+    same = agentrl("check-env", "tests/CountTo-v0", "--import", "tests.envs_fixtures", "target=4", "--json")
+    assert same.returncode == 0 and json.loads(same.stdout)["expert"]["mean_turns"] == 4.0, same.stderr
     report = json.loads(out.stdout)
     assert report["ok"] and report["violations"] == []
     assert report["expert"]["success_rate"] == 1.0

@@ -1,37 +1,79 @@
 """Built-in `python`: run a snippet in a sandboxed subprocess and return what it printed.
 
-The sandbox is a fresh interpreter in isolated mode (`-I`: no PYTHON* variables, no user site, no script dir
-on sys.path), a fresh temporary working directory, an environment holding nothing inherited (so no API keys or
-tokens leak in), and kernel limits set inside the child before the snippet runs: address space (memory),
-CPU seconds, file size, open files. The parent enforces wall time (killing the whole process group) and caps
-the output it reads. This bounds accidents and runaway model code; it is not a jail against a determined
-attacker (there is no network or filesystem namespace): run tool servers that execute code in a container.
+Why a jail: the snippet is model-written code on the machine that runs the tool server. Drills (issue 22) found
+an unjailed snippet reading the server's bearer token from /proc/<parent>/environ, reading /etc/shadow, writing
+anywhere, reaching 127.0.0.1, and leaving setsid() children running after the call.
+
+So every call runs a fresh interpreter (`-I`) under bubblewrap (`bwrap`, Debian package `bubblewrap`):
+
+- own pid, network, ipc, uts and cgroup namespaces: it sees only its own processes and has no network at all;
+- a new root holding only /usr (with the /bin, /lib symlinks) and this Python installation, read-only (no /etc,
+  no home, no project), plus a private, size-capped tmpfs /tmp as its working directory;
+- an environment holding nothing inherited (bwrap itself is started with the same clean environment);
+- kernel limits set before the snippet runs: address space, CPU seconds, file size, open files, process count;
+- one lifetime: bwrap's init is pid 1 of the namespace and dies with bwrap (`--die-with-parent`), and the kernel
+  kills every process of a pid namespace whose init exits, at the wall-time limit and on a normal exit alike.
+
+The process-count limit (RLIMIT_NPROC) is counted per user and waived for root. A server running as root therefore
+starts bwrap without a user namespace and the launcher drops to a fresh random uid (and so all capabilities) before
+the snippet runs; any other user gets a user namespace of its own, where the count covers only this sandbox.
+
+Where bwrap is missing or cannot create namespaces (checked once per process), the tool refuses to run and says
+how to fix it. Only where the whole server already sits in a disposable container or VM, configure the unsafe
+variant instead: `python: agentrl.tools.pyexec:python_unsafe` (or `make_python_tool(unsafe=True)`), which keeps
+the limits, the clean environment and a fresh temporary directory but no jail.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import secrets
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 
 from agentrl.tools.core import Tool
 
-# Runs first in the child: limits are set on both soft and hard values, so the snippet cannot raise them back.
+BWRAP = "bwrap"  # name or path of the bubblewrap binary (tests point it elsewhere)
+
+# Runs first in the child: the snippet comes on stdin (no size limit from argv); limits are set on both soft and
+# hard values, so the snippet cannot raise them back. In the sandbox the launcher is pid 1 (`--as-pid-1`, so that
+# bwrap returns only once the whole namespace is gone) and forks the snippet's process: pid 1 keeps its
+# parent-death signal, which the kernel clears on a uid change, and a snippet run as pid 1 would ignore signals.
 _LAUNCHER = """\
-import resource, runpy, sys
-mem, cpu, fsize = {mem}, {cpu}, {fsize}
-for what, value in ((resource.RLIMIT_AS, mem), (resource.RLIMIT_CPU, cpu), (resource.RLIMIT_FSIZE, fsize),
-                    (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0)):
+import os, resource, runpy, sys
+code = sys.stdin.buffer.read()
+if {as_init}:
+    pid = os.fork()
+    if pid:
+        status = os.waitpid(pid, 0)[1]
+        os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+uid = {uid}
+if uid is not None:
+    os.setgroups([])
+    os.setresgid(uid, uid, uid)
+    os.setresuid(uid, uid, uid)
+for what, value in ((resource.RLIMIT_AS, {mem}), (resource.RLIMIT_CPU, {cpu}), (resource.RLIMIT_FSIZE, {fsize}),
+                    (resource.RLIMIT_NOFILE, 64), (resource.RLIMIT_CORE, 0), (resource.RLIMIT_NPROC, {nproc})):
     try:
-        resource.setrlimit(what, (value, value))
+        if value is not None:
+            resource.setrlimit(what, (value, value))
     except (ValueError, OSError):
         pass
+with open("snippet.py", "wb") as f:
+    f.write(code)
 sys.argv = ["snippet.py"]
 runpy.run_path("snippet.py", run_name="__main__")
 """
+
+
+class SandboxUnavailable(RuntimeError):
+    """bwrap is missing or cannot isolate here; the message names the fix."""
 
 
 @dataclass
@@ -40,6 +82,8 @@ class SandboxLimits:
     memory_mb: int = 512
     max_output_bytes: int = 16_384
     max_file_mb: int = 16
+    max_processes: int = 32  # threads count too
+    tmp_mb: int = 64  # the sandbox's whole writable space (tmpfs, held in memory)
 
 
 @dataclass
@@ -64,58 +108,143 @@ def _clean_env(home: str) -> dict[str, str]:
     }
 
 
-async def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> RunOutput:
+def _python_dirs() -> list[str]:
+    """The directories this interpreter runs from (a venv and the installation it points to)."""
+    real_home = os.path.dirname(os.path.dirname(os.path.realpath(sys.executable)))
+    dirs = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, real_home}
+    dirs |= {os.path.realpath(d) for d in dirs}
+    return sorted(d for d in dirs if d != "/usr" and not d.startswith("/usr/"))
+
+
+def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    argv += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
+    if as_root:  # no user namespace; the launcher needs these two to drop to its fresh uid, which clears them
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user", "--disable-userns"]
+    for key, value in _clean_env("/tmp").items():
+        argv += ["--setenv", key, value]
+    argv += ["--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged /usr: symlinks into /usr
+        if os.path.islink(top):
+            argv += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            argv += ["--ro-bind", top, top]
+    made: set[str] = set()
+    for path in _python_dirs():
+        parent = os.path.dirname(path)
+        ancestors = []
+        while parent not in ("/", "") and parent not in made:
+            ancestors.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(ancestors):  # bwrap would copy the host's modes (/root is 0700); the dropped uid must pass
+            argv += ["--perms", "0755", "--dir", d]
+            made.add(d)
+        argv += ["--ro-bind", path, path]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    return [*argv, "--chdir", "/tmp"]
+
+
+def _launcher(lim: SandboxLimits, uid: int | None, nproc: int | None, as_init: bool = True) -> str:
+    cpu, mem, fsize = int(lim.timeout_s) + 1, lim.memory_mb << 20, lim.max_file_mb << 20
+    return _LAUNCHER.format(as_init=as_init, uid=uid, mem=mem, cpu=cpu, fsize=fsize, nproc=nproc)
+
+
+@functools.cache
+def _probe(bwrap: str, as_root: bool) -> str | None:
+    """Why the sandbox cannot run here, or None when it can: one real, empty run."""
+    path = shutil.which(bwrap)
+    if path is None:
+        return f"{bwrap} not found"
+    uid = (1 << 30) if as_root else None
+    argv = [*_bwrap_argv(path, as_root, 1 << 20), sys.executable, "-I", "-c", _launcher(SandboxLimits(), uid, 32)]
+    try:
+        r = subprocess.run(argv, input=b"", capture_output=True, env=_clean_env("/tmp"), timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"{path}: {err}"
+    if r.returncode != 0:
+        lines = (r.stdout + r.stderr).decode(errors="replace").strip().splitlines()
+        return lines[-1] if lines else f"{path} exited with {r.returncode}"
+    return None
+
+
+async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: bool = False) -> RunOutput:
     """Run `code` under the limits; stdout and stderr come back interleaved, capped at max_output_bytes."""
     lim = limits or SandboxLimits()
-    with tempfile.TemporaryDirectory(prefix="agentrl-py-") as workdir:
-        with open(os.path.join(workdir, "snippet.py"), "w", encoding="utf-8") as f:
-            f.write(code)
-        launcher = _LAUNCHER.format(mem=lim.memory_mb << 20, cpu=int(lim.timeout_s) + 1, fsize=lim.max_file_mb << 20)
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-I",
-            "-c",
-            launcher,
-            cwd=workdir,
-            env=_clean_env(workdir),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            start_new_session=True,  # its own process group: a timeout kills every child it forked too
+    if unsafe:
+        with tempfile.TemporaryDirectory(prefix="agentrl-py-") as workdir:
+            argv = [sys.executable, "-I", "-c", _launcher(lim, None, None, as_init=False)]
+            return await _run(argv, code, lim, cwd=workdir, env=_clean_env(workdir))
+    as_root = os.geteuid() == 0
+    reason = await asyncio.to_thread(_probe, BWRAP, as_root)
+    if reason is not None:
+        raise SandboxUnavailable(
+            f"python sandbox unavailable ({reason}): install bubblewrap (apt-get install bubblewrap), or, only "
+            "where the server is already in a disposable container, configure agentrl.tools.pyexec:python_unsafe"
         )
-        chunks: list[bytes] = []
-        size = 0
-        truncated = timed_out = False
+    uid = (1 << 30) + secrets.randbelow(1 << 30) if as_root else None  # fresh per call: its own process count
+    bwrap = shutil.which(BWRAP) or BWRAP
+    argv = [*_bwrap_argv(bwrap, as_root, lim.tmp_mb << 20), sys.executable, "-I", "-c"]
+    return await _run([*argv, _launcher(lim, uid, lim.max_processes)], code, lim, cwd=None, env=_clean_env("/tmp"))
 
-        async def read_all() -> None:
-            nonlocal size, truncated
-            assert proc.stdout is not None
-            while True:
-                chunk = await proc.stdout.read(65536)
-                if not chunk:
-                    return
-                if size + len(chunk) > lim.max_output_bytes:
-                    chunks.append(chunk[: lim.max_output_bytes - size])
-                    size = lim.max_output_bytes
-                    truncated = True
-                    _kill(proc)  # no point letting it print gigabytes nobody reads
-                    return
-                chunks.append(chunk)
-                size += len(chunk)
 
+async def _run(argv: list[str], code: str, lim: SandboxLimits, cwd: str | None, env: dict[str, str]) -> RunOutput:
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        cwd=cwd,
+        env=env,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        start_new_session=True,  # its own process group: a timeout kills every child it forked too
+    )
+    chunks: list[bytes] = []
+    size = 0
+    truncated = timed_out = False
+
+    async def feed() -> None:
+        assert proc.stdin is not None
         try:
-            await asyncio.wait_for(read_all(), lim.timeout_s)
-            await asyncio.wait_for(proc.wait(), max(0.5, lim.timeout_s))
+            proc.stdin.write(code.encode("utf-8", errors="replace"))
+            await proc.stdin.drain()
+            proc.stdin.close()
+        except (BrokenPipeError, ConnectionResetError):  # it died before reading everything; the output says why
+            pass
+
+    async def read_all() -> None:
+        nonlocal size, truncated
+        assert proc.stdout is not None
+        while True:
+            chunk = await proc.stdout.read(65536)
+            if not chunk:
+                return
+            if size + len(chunk) > lim.max_output_bytes:
+                chunks.append(chunk[: lim.max_output_bytes - size])
+                size = lim.max_output_bytes
+                truncated = True
+                _kill(proc)  # no point letting it print gigabytes nobody reads
+                return
+            chunks.append(chunk)
+            size += len(chunk)
+
+    feeder = asyncio.create_task(feed())
+    try:
+        await asyncio.wait_for(read_all(), lim.timeout_s)
+        await asyncio.wait_for(proc.wait(), max(0.5, lim.timeout_s))
+    except TimeoutError:
+        timed_out = True
+    finally:
+        feeder.cancel()
+        _kill(proc)
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 5)
         except TimeoutError:
-            timed_out = True
-        finally:
-            _kill(proc)
-            try:
-                await asyncio.wait_for(proc.wait(), 5)
-            except TimeoutError:
-                pass
-        text = b"".join(chunks).decode("utf-8", errors="replace")
-        return RunOutput(text, proc.returncode, timed_out=timed_out, truncated=truncated)
+            pass
+    text = b"".join(chunks).decode("utf-8", errors="replace")
+    return RunOutput(text, proc.returncode, timed_out=timed_out, truncated=truncated)
 
 
 def _kill(proc: asyncio.subprocess.Process) -> None:
@@ -126,13 +255,17 @@ def _kill(proc: asyncio.subprocess.Process) -> None:
             pass
 
 
+# killed by RLIMIT_CPU: the signal itself (no sandbox) or 128 + signal (bwrap's report of it)
+_KILLED = {-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL}
+
+
 def _describe(out: RunOutput, lim: SandboxLimits) -> str:
     text = out.output
     if out.truncated:
         text += f"\n[output truncated at {lim.max_output_bytes} bytes; process stopped]"
     if out.timed_out:
         text += f"\n[stopped: wall-time limit of {lim.timeout_s:g}s exceeded]"
-    elif out.exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and not out.truncated:  # RLIMIT_CPU
+    elif out.exit_code in _KILLED and not out.truncated:  # RLIMIT_CPU
         text += "\n[stopped: CPU-time limit exceeded]"
     elif out.exit_code and not out.truncated:
         if "MemoryError" in out.output:
@@ -142,9 +275,13 @@ def _describe(out: RunOutput, lim: SandboxLimits) -> str:
 
 
 def make_python_tool(
-    timeout_s: float = 10.0, memory_mb: int = 512, max_output_bytes: int = 16_384, name: str = "python"
+    timeout_s: float = 10.0,
+    memory_mb: int = 512,
+    max_output_bytes: int = 16_384,
+    name: str = "python",
+    unsafe: bool = False,
 ) -> Tool:
-    """A `python` tool with its own limits (the built-in uses the defaults)."""
+    """A `python` tool with its own limits (the built-in uses the defaults); `unsafe` drops the jail (see top)."""
     lim = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb, max_output_bytes=max_output_bytes)
 
     async def python(code: str) -> str:
@@ -153,10 +290,11 @@ def make_python_tool(
         Args:
             code: a complete program; print() the values you want to see. No network, no state between calls.
         """
-        return _describe(await run_sandboxed(code, lim), lim)
+        return _describe(await run_sandboxed(code, lim, unsafe=unsafe), lim)
 
     # the server enforces its own per-call timeout as well; give the sandbox time to report first
     return Tool(python, name=name, timeout_s=timeout_s + 5.0)
 
 
 python = make_python_tool()
+python_unsafe = make_python_tool(unsafe=True)

@@ -1,16 +1,19 @@
 """`agentrl` command line. Each command lives in its own module with `register(subparsers, common)`.
 
 User mistakes (bad config, unknown env id, ...) print one line to stderr and exit 2, without a traceback.
+Options may come anywhere after the command (`agentrl train cfg.yaml --import mod a.b=1`), and are never
+abbreviated (`--token` is not taken for `--token-env`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from agentrl.config import ConfigError
+from agentrl.plugins import UserImportError
+from agentrl.plugins import import_user_modules as _import_user_modules
 
 # Modules under agentrl.cli that add commands, in the order `agentrl --help` lists them.
 COMMAND_MODULES = ["train_cmd", "rollout_cmd", "config_cmd", "model_cmd", "envs_cmd", "tools_cmd", "export_cmd"]
@@ -22,26 +25,45 @@ class UsageError(Exception):
 
 def import_user_modules(modules: list[str] | None) -> None:
     """Import modules that register envs, tools or rewards (`--import pkg.mod`, or AGENTRL_IMPORTS=a,b)."""
-    names = list(modules or []) + [m for m in os.environ.get("AGENTRL_IMPORTS", "").split(",") if m]
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    for name in names:
+    try:
+        _import_user_modules(modules)
+    except UserImportError as err:
+        raise UsageError(str(err)) from None
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options; a command's options and positionals may be intermixed; errors are one line."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+        self._intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):
+        # A parser with subcommands cannot intermix (argparse's rule); parse_known_intermixed_args calls back
+        # here for its two passes, which must be the plain parse.
+        if self._subparsers is not None or self._intermixing:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
         try:
-            importlib.import_module(name)
-        except ImportError as err:
-            raise UsageError(f"--import {name}: {err}") from None
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument(
         "--import",
         dest="imports",
         action="append",
         metavar="MODULE",
-        help="import a module that registers envs/tools/rewards (repeatable)",
+        help="import a module that registers envs/tools/rewards (repeatable; also AGENTRL_IMPORTS=a,b)",
     )
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="agentrl",
         description="Agentic multi-turn RL for LLMs: text envs + tools -> async rollout -> FSDP2 training.",
     )
@@ -60,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         code = args.func(args)
     except (ConfigError, UsageError) as err:
         prefix = "config error" if isinstance(err, ConfigError) else "error"
-        print(f"agentrl: {prefix}: {err}", file=sys.stderr)
+        print(f"agentrl: {prefix}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("agentrl: interrupted", file=sys.stderr)

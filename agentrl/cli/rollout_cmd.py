@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 from agentrl.config import load_config
+from agentrl.config.loader import check_model_loads
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -32,12 +34,23 @@ def _fleet(cfg, model_path: str) -> list:
     """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
     import ray
 
-    from agentrl.envmanager.manager import check_turn_limits, start_managers
+    from agentrl.envmanager.manager import check_envs_in_actor, check_turn_limits, start_managers
+    from agentrl.plugins import ray_runtime_env
     from agentrl.rollout.fleet import start_engines, start_router
 
     check_turn_limits(cfg)
+    check_model_loads(model_path)
     if not ray.is_initialized():
-        ray.init(address=cfg.ray_address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+        ray.init(
+            address=cfg.ray_address,
+            runtime_env=ray_runtime_env(),
+            include_dashboard=False,
+            log_to_driver=False,
+            configure_logging=False,
+        )
+    check_envs_in_actor(cfg)
     engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)
     router = start_router(engines, cfg.rollout)
     return start_managers(cfg, model_path, router)

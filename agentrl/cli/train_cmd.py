@@ -16,6 +16,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # config mistakes first, before the slow imports
     from agentrl.pipeline import train
 
-    return train(load_config(args.config, args.overrides), resume=args.resume)
+    return train(cfg, resume=args.resume)

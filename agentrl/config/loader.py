@@ -8,6 +8,7 @@ adds a key, allowed only inside a free-form section (a `dict[...]` field such as
 from __future__ import annotations
 
 import copy
+import os
 import types
 import typing
 from pathlib import Path
@@ -184,16 +185,89 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:
-            raise ConfigError(f"{p}: not valid YAML: {err}") from None
+            raise ConfigError(_yaml_error(p, err)) from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     cfg = validate(raw)
-    if not overrides:
-        return cfg
-    full = copy.deepcopy(cfg.model_dump(by_alias=True, mode="python"))
-    for override in overrides:
-        apply_override(full, override)
-    return validate(full)
+    if overrides:
+        full = copy.deepcopy(cfg.model_dump(by_alias=True, mode="python"))
+        for override in overrides:
+            apply_override(full, override)
+        cfg = validate(full)
+    check_env_ids(cfg)
+    check_model_paths(cfg)
+    return cfg
+
+
+def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
+    """`file:line:col: invalid YAML: problem (context)`, on one line like a compiler's."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return f"{where}: invalid YAML: {problem}" + (f" ({context})" if context else "")
+
+
+def check_env_ids(cfg: Config) -> None:
+    """Every configured env id is registered (user modules are imported before the config is loaded)."""
+    from agentrl.envs import UnknownEnvError, registered_env_ids
+    from agentrl.envs.registry import env_spec
+
+    for split, envs in (("train", cfg.envs.train), ("val", cfg.envs.val)):
+        for tag, env in envs.items():
+            try:
+                env_spec(env.env_id)
+            except UnknownEnvError:
+                raise ConfigError(
+                    f"envs.{split}.{tag}.env_id: unknown env id {env.env_id!r} (registered: "
+                    f"{', '.join(registered_env_ids())}; is the module that registers it imported? --import MOD)"
+                ) from None
+
+
+def _offline() -> bool:
+    flags = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(f in ("1", "true", "yes", "on") for f in flags)
+
+
+def check_model_path(key: str, path: str, marker: str = "config.json") -> None:
+    """`builtin:tiny`, a local Hugging Face directory (holding `marker`), or a hub id. Caught here because the
+    engines and trainer would fail tens of seconds later with a long OSError. A path that looks local (absolute,
+    ./, ../, ~) or exists is local; anything else is a hub id, which must be in the local cache when the hub is
+    switched off (HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE); online, `check_model_loads` checks it at start-up."""
+    if path.startswith("builtin:"):
+        if path != "builtin:tiny":
+            raise ConfigError(f"{key}: unknown builtin model {path!r} (known: builtin:tiny)")
+        return
+    local = Path(path).expanduser()
+    if path.startswith(("/", "./", "../", "~")) or path in (".", "..") or local.exists():
+        if not local.exists():
+            raise ConfigError(f"{key}: {path} does not exist")
+        if not (local / marker).is_file():
+            raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no {marker})")
+        return
+    if _offline():
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, marker), str):
+            raise ConfigError(f"{key}: {path!r} is no local directory, and no hub model in the local cache (offline)")
+
+
+def check_model_paths(cfg: Config) -> None:
+    check_model_path("model.path", cfg.model.path)
+    if cfg.model.tokenizer is not None:
+        check_model_path("model.tokenizer", cfg.model.tokenizer, "tokenizer_config.json")
+
+
+def check_model_loads(path: str, key: str = "model.path") -> None:
+    """Load the model's config.json (from the hub when online and not cached) in the driver, so that a hub id
+    that cannot be fetched is one ConfigError line before any engine starts (not a long OSError in an actor)."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(f"{key}: cannot load {path!r}: {first}") from None
 
 
 def dump_yaml(cfg: Config) -> str:

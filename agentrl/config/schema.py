@@ -59,6 +59,12 @@ class EnvsConfig(Section):
             raise ValueError("max_tokens_per_turn moved to rollout.sampling.max_tokens (new tokens per model turn)")
         return data
 
+    @model_validator(mode="after")
+    def _has_train_envs(self) -> EnvsConfig:
+        if not self.train:  # a run without train envs has nothing to sample: fail here, not mid-run
+            raise ValueError("train is empty; a run needs at least one training env (envs.train.TAG.env_id)")
+        return self
+
 
 class ToolSpec(Section):
     python: str | None = Field(None, description="module:function for an in-process tool")

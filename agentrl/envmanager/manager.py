@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -17,6 +18,8 @@ from agentrl.config.schema import Config, EnvConfig, SamplingConfig
 from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import episode_metrics, to_samples
 from agentrl.types import Episode, EpisodeSpec, GenOutput, Group
+
+logger = logging.getLogger(__name__)
 
 
 def episode_spec(cfg: Config, split: str, tag: str, seed: int, index: int = 0) -> EpisodeSpec:
@@ -44,6 +47,27 @@ def _make_env(env_id: str, kwargs: dict) -> Any:
     return make_env(env_id, **kwargs)
 
 
+class FirstOfKind:
+    """Logs the first failure of each kind (error type + message start) and counts the rest silently: a user
+    sees why episodes fail without one warning per episode (the count is `rollout/failed_episodes`)."""
+
+    def __init__(self, where: str, prefix_chars: int = 60, max_kinds: int = 20):
+        self.where = where
+        self.prefix_chars = prefix_chars
+        self.max_kinds = max_kinds  # errors that differ in every episode must not log every episode
+        self.seen: set[str] = set()
+
+    def __call__(self, what: str, error: str) -> None:
+        kind = error[: self.prefix_chars]
+        if kind in self.seen or len(self.seen) > self.max_kinds:
+            return
+        self.seen.add(kind)
+        if len(self.seen) > self.max_kinds:
+            logger.warning("%s: over %d kinds of failures; no more are logged", self.where, self.max_kinds)
+            return
+        logger.warning("%s: %s failed: %s (later failures of this kind are only counted)", self.where, what, error)
+
+
 class EnvManager:
     def __init__(self, cfg: Config, model_path: str, router: Any, reward_pool: Any = None, index: int = 0):
         from transformers import AutoTokenizer
@@ -55,6 +79,7 @@ class EnvManager:
         self.index = index
         self.router = router
         self.reward_pool = reward_pool
+        self.log_failure = FirstOfKind(f"env manager {index}")
         from agentrl.tools import parse_tool_calls
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
@@ -92,6 +117,7 @@ class EnvManager:
             self.router.release.remote(ep.episode_id)
             if ep.failed:
                 group.failures.append(f"{ep.episode_id}: {ep.error}")
+                self.log_failure(f"episode {ep.episode_id} ({ep.env_id})", ep.error or "")
                 continue
             scored = await self._score(ep, group)
             if scored is None:
@@ -140,6 +166,55 @@ def check_turn_limits(cfg: Config) -> None:
                     f"envs.{split}.{tag}.max_turns: {env.max_turns} exceeds the env's max_steps ({max_steps}) "
                     f"and the env has no tools, so it cannot apply; set envs.{split}.{tag}.kwargs.max_steps instead"
                 )
+
+
+def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int]]) -> str | None:
+    """Runs in a Ray worker: build and reset every env; the first failure as one line, or None."""
+    from agentrl.envs import UnknownEnvError
+    from agentrl.plugins import import_errors
+
+    for where, env_id, kwargs, seed in envs:
+        try:
+            env = _make_env(env_id, kwargs)
+            env.reset(seed=seed)
+            env.close()
+        except UnknownEnvError:
+            hint = f"; in this worker {'; '.join(import_errors)}" if import_errors else ""
+            return (
+                f"{where}: unknown env id {env_id!r} in a Ray worker "
+                f"(is the module that registers it imported? --import MOD{hint})"
+            )
+        except Exception as err:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            return f"{where}: {env_id}({args}) failed: {type(err).__name__}: {err}"
+    return None
+
+
+def check_envs_in_actor(cfg: Config, timeout_s: float = 300.0) -> None:
+    """Build and reset every configured env once in a Ray worker, started like the env managers, before any
+    engine starts: an env that the workers cannot make (module not imported there, bad kwargs, a crashing
+    constructor) is one ConfigError line now instead of every episode failing later."""
+    import ray
+
+    from agentrl.config import ConfigError
+    from agentrl.platform import worker_env
+
+    envs = [
+        (f"envs.{split}.{tag}", env.env_id, dict(env.kwargs), env.seed_start)
+        for split, section in (("train", cfg.envs.train), ("val", cfg.envs.val))
+        for tag, env in section.items()
+    ]
+    probe = ray.remote(_make_each_env).options(num_cpus=0, runtime_env={"env_vars": worker_env()})
+    try:
+        problem = ray.get(probe.remote(envs), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise ConfigError(f"envs: building the envs in a Ray worker took over {timeout_s:.0f}s") from None
+    except ray.exceptions.RayError as err:  # the worker itself died (e.g. a user module that kills it)
+        cause = getattr(err, "cause", None) or err
+        first = next((line for line in str(cause).splitlines() if line.strip()), type(cause).__name__)
+        raise ConfigError(f"envs: the env check worker failed: {type(cause).__name__}: {first}") from None
+    if problem is not None:
+        raise ConfigError(" ".join(problem.split()))
 
 
 def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any = None) -> list[Any]:

@@ -1,5 +1,5 @@
 """Rollout engines (vLLM, SGLang, remote HTTP), the router over them, and resumable generation."""
 
-from agentrl.rollout.base import EngineError, RetryableEngineError, RolloutEngine
+from agentrl.rollout.base import EngineDeadError, EngineError, RetryableEngineError, RolloutEngine
 
-__all__ = ["EngineError", "RetryableEngineError", "RolloutEngine"]
+__all__ = ["EngineDeadError", "EngineError", "RetryableEngineError", "RolloutEngine"]

@@ -28,6 +28,11 @@ class RetryableEngineError(EngineError):
     """The engine died, was drained or timed out: the request may be retried on another engine."""
 
 
+class EngineDeadError(RetryableEngineError):
+    """The engine's core is gone (vLLM's EngineDeadError and the like): it will never serve again, so the router
+    treats it like a dead actor and restarts it. Named like vLLM's so the router matches both by type name."""
+
+
 def finish_reason(raw: Any) -> FinishReason:
     """Normalise a backend's finish reason (str, None, or SGLang's {"type": ...}) to stop / length / abort."""
     kind = raw.get("type") if isinstance(raw, dict) else raw

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import ray
 
 from agentrl.config.schema import RolloutConfig
 from agentrl.platform import detect
-from agentrl.rollout.router import Router
+from agentrl.rollout.router import EngineFactory, Router
 
 
 def engine_class(backend: str) -> type:
@@ -58,16 +59,37 @@ def _create(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0) -> A
     )
 
 
+def _create_at(cfg: RolloutConfig, model_path: str, seed: int, index: int) -> Any:
+    return _create(cfg, model_path, seed + index, index)
+
+
+def engine_factory(cfg: RolloutConfig, model_path: str, seed: int = 0) -> EngineFactory:
+    """Engine `index` made anew exactly as start_engines made it (not started): the router's restart path."""
+    return functools.partial(_create_at, cfg, model_path, seed)
+
+
 def start_engines(cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None) -> list[Any]:
     """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
-    handles = [_create(cfg, model_path, seed + i, i) for i in range(count or cfg.num_engines)]
+    make = engine_factory(cfg, model_path, seed)
+    handles = [make(i) for i in range(count or cfg.num_engines)]
     ray.get([h.start.remote() for h in handles])
     return handles
 
 
-def start_router(engines: list[Any], cfg: RolloutConfig) -> Any:
+def start_router(
+    engines: list[Any], cfg: RolloutConfig, model_path: str | None = None, seed: int = 0, **router_kwargs: Any
+) -> Any:
+    """The router actor. With `model_path` (and the `seed` given to start_engines) it restarts a dead engine up to
+    rollout.restart_engines times; without, dead engines are only drained and reported."""
+    restart = engine_factory(cfg, model_path, seed) if model_path is not None else None
     return (
         ray.remote(Router)
         .options(max_concurrency=100_000, num_cpus=0)
-        .remote(engines, request_timeout_s=cfg.request_timeout_s)
+        .remote(
+            engines,
+            request_timeout_s=cfg.request_timeout_s,
+            restart=restart,
+            max_restarts=cfg.restart_engines,
+            **router_kwargs,
+        )
     )

@@ -1,17 +1,26 @@
-"""Router over N engine actors: sticky episodes, least-loaded placement, health checks, fail-fast on death.
+"""Router over N engine actors: sticky episodes, least-loaded placement, health checks, drain and restart on death.
 
 An episode id sticks to one engine so its growing prompt reuses that engine's prefix cache. New episodes go to
-the live engine with the fewest requests (then tokens) in flight. An engine that dies or fails health checks is
-drained: its pending requests fail at once with RetryableEngineError (never hang) and nothing new goes to it. When
-it answers health checks again it rejoins, first loading the latest weights the router has seen.
+the live engine with the fewest requests (then tokens) in flight.
+
+Faults. An engine is *dead* when its actor died, its core died (vLLM's EngineDeadError, or health reporting
+`dead`), or it stopped answering health checks. A dead engine is drained at once: its pending requests fail with
+RetryableEngineError (never hang), nothing new goes to it, and fleet-wide calls (update_weights, pause, resume)
+skip it instead of failing the run. An engine that is gone for good (actor or core dead, or stuck for
+`stuck_checks` health rounds) is killed and restarted in the background through the `restart` factory, at most
+`max_restarts` times per engine index; one that only failed health checks rejoins when it answers again. Either
+way it first loads the latest weights the router has seen. Deaths, restarts and the time with no live engine are
+reported by `fleet_status()`, which the pipeline polls every step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +30,11 @@ from agentrl.types import GenOutput
 
 log = logging.getLogger(__name__)
 
+EngineFactory = Callable[[int], Any]
+"""Makes a new (not yet started) engine actor for an engine index: the router's restart path."""
 
-@dataclass
+
+@dataclass(eq=False)
 class _Slot:
     index: int
     handle: Any
@@ -30,13 +42,42 @@ class _Slot:
     in_flight: int = 0
     tokens_in_flight: int = 0
     pending: set[asyncio.Future] = field(default_factory=set)
-    failures: int = 0
+    failures: int = 0  # consecutive failed health checks
+    gone: bool = False  # declared dead for good: restarted, given up, or rejoins only if it answers again
+    restarting: bool = False
 
 
 def _is_actor_death(err: BaseException) -> bool:
     import ray.exceptions as rex
 
     return isinstance(err, rex.RayActorError | rex.ActorUnavailableError | rex.ActorDiedError)
+
+
+def _is_core_death(err: BaseException) -> bool:
+    """vLLM's EngineDeadError (or ours), raw or inside Ray's RayTaskError (whose class subclasses the cause's and
+    whose `.cause` holds it). Matched by name so the router never imports vllm."""
+    for e in (err, getattr(err, "cause", None)):
+        if e is not None and any(c.__name__ == "EngineDeadError" for c in type(e).__mro__):
+            return True
+    return False
+
+
+def _short(err: BaseException) -> str:
+    """One line for an event: the cause's type and first message line (Ray's own str is a whole traceback)."""
+    cause = getattr(err, "cause", None) or err
+    lines = str(cause).strip().splitlines()
+    text = f"{type(cause).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def fleet_metrics(status: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a `Router.fleet_status()` answer, under their logged names."""
+    return {
+        "rollout/live_engines": float(status["live"]),
+        "rollout/engine_deaths": float(status["deaths"]),
+        "rollout/engine_restarts": float(status["restarts"]),
+        "rollout/no_live_engine_s": float(status["no_live_s"]),
+    }
 
 
 class Router:
@@ -47,7 +88,16 @@ class Router:
         health_interval_s: float = 2.0,
         health_timeout_s: float = 10.0,
         request_timeout_s: float = 300.0,
+        restart: EngineFactory | None = None,
+        max_restarts: int = 0,
+        start_timeout_s: float = 900.0,
+        restart_backoff_s: float = 5.0,
+        stuck_checks: int = 3,
+        no_engine_wait_s: float = 5.0,
     ):
+        """`restart` and `max_restarts` (rollout.restart_engines) enable restarts; `stuck_checks` failed health
+        rounds in a row make an engine dead; `no_engine_wait_s` bounds how long a request waits for a live engine
+        before failing, so callers retrying it back off instead of spinning."""
         if not engines:
             raise ValueError("the router needs at least one engine")
         self._slots = [_Slot(i, h) for i, h in enumerate(engines)]
@@ -55,19 +105,48 @@ class Router:
         self._health_interval_s = health_interval_s
         self._health_timeout_s = health_timeout_s
         self._request_timeout_s = request_timeout_s
+        self._restart = restart
+        self._max_restarts = max_restarts if restart is not None else 0
+        self._start_timeout_s = start_timeout_s
+        self._restart_backoff_s = restart_backoff_s
+        self._stuck_checks = stuck_checks
+        self._no_engine_wait_s = no_engine_wait_s
         self._health_task: asyncio.Task | None = None
         self._weights: tuple[str, int] | None = None
+        self._attempts = [0] * len(engines)  # restart attempts per engine index, successful or not
+        self._deaths = 0
+        self._restarts = 0
+        self._events: collections.deque[str] = collections.deque(maxlen=200)
+        self._none_live_since: float | None = None
+        self._live_again = asyncio.Event()
+        self._live_again.set()
+        self._tasks: set[asyncio.Task] = set()  # background restarts (kept referenced until done)
 
     # ---- placement -------------------------------------------------------------------------------------------
-    def _pick(self, episode_id: str) -> _Slot:
+    def _live(self) -> list[_Slot]:
+        return [s for s in self._slots if s.alive]
+
+    def _pick(self, episode_id: str) -> _Slot | None:
         index = self._sticky.get(episode_id)
         if index is not None and self._slots[index].alive:
             return self._slots[index]
-        live = [s for s in self._slots if s.alive]
+        live = self._live()
         if not live:
-            raise RetryableEngineError("no live rollout engine")
+            return None
         slot = min(live, key=lambda s: (s.in_flight, s.tokens_in_flight, s.index))
         self._sticky[episode_id] = slot.index
+        return slot
+
+    async def _pick_or_wait(self, episode_id: str) -> _Slot:
+        """A live engine for the episode, waiting up to no_engine_wait_s for one to (re)join rather than failing
+        at once: with no engine live, callers that retry would otherwise spin."""
+        deadline = time.monotonic() + self._no_engine_wait_s
+        while (slot := self._pick(episode_id)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RetryableEngineError("no live rollout engine")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._live_again.wait(), left)
         return slot
 
     def release(self, episode_id: str) -> None:
@@ -79,7 +158,7 @@ class Router:
         self, episode_id: str, token_ids: list[int], sampling: SamplingConfig, request_id: str
     ) -> GenOutput:
         self._ensure_health_loop()
-        slot = self._pick(episode_id)
+        slot = await self._pick_or_wait(episode_id)
         cost = len(token_ids) + sampling.max_tokens
         slot.in_flight += 1
         slot.tokens_in_flight += cost
@@ -104,8 +183,8 @@ class Router:
         try:
             return await getattr(slot.handle, method).remote(*args)
         except Exception as err:
-            if _is_actor_death(err):
-                self._drain(slot, f"died: {type(err).__name__}")
+            if _is_actor_death(err) or _is_core_death(err):
+                self._on_death(slot, _short(err), gone=True)
                 raise RetryableEngineError(f"engine {slot.index} died") from err
             if isinstance(err, EngineError):
                 raise
@@ -114,15 +193,110 @@ class Router:
                 raise cause from err
             raise EngineError(f"engine {slot.index}: {err}") from err
 
-    def _drain(self, slot: _Slot, why: str) -> None:
-        if slot.alive:
-            log.warning("rollout engine %d drained (%s)", slot.index, why)
-        slot.alive = False
+    # ---- liveness bookkeeping --------------------------------------------------------------------------------
+    def _event(self, message: str) -> None:
+        log.warning(message)
+        self._events.append(message)
+
+    def _live_line(self) -> str:
+        return f"{len(self._live())} of {len(self._slots)} live"
+
+    def _set_alive(self, slot: _Slot, alive: bool) -> None:
+        slot.alive = alive
+        if self._live():
+            self._none_live_since = None
+            self._live_again.set()
+        else:
+            self._live_again.clear()
+            if self._none_live_since is None:
+                self._none_live_since = time.monotonic()
+
+    def _drain(self, slot: _Slot) -> None:
+        self._set_alive(slot, False)
         for fut in list(slot.pending):
             fut.cancel()
         for episode, index in list(self._sticky.items()):
             if index == slot.index:
                 del self._sticky[episode]
+
+    def _on_death(self, slot: _Slot, why: str, *, gone: bool) -> None:
+        """Count and drain a live engine that failed. `gone`: it will never serve again (actor or core dead,
+        or stuck), so restart it if the budget allows; otherwise the health loop lets it rejoin when it answers."""
+        if self._slots[slot.index] is not slot or slot.restarting:
+            return  # a late error from an engine already replaced or being restarted
+        was_alive = slot.alive
+        if was_alive:
+            self._deaths += 1
+            self._drain(slot)
+        if not gone:
+            if was_alive:
+                self._event(f"rollout engine {slot.index} failed a health check ({why}); {self._live_line()}")
+            return
+        if slot.gone:
+            return
+        slot.gone = True
+        used = self._attempts[slot.index]
+        if used < self._max_restarts:
+            slot.restarting = True
+            plan = f"restarting ({used + 1}/{self._max_restarts})"
+            task = asyncio.ensure_future(self._restart_loop(slot))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        elif self._max_restarts:
+            plan = f"gave up after {used} restarts"
+        else:
+            plan = "not restarting"
+        self._event(f"rollout engine {slot.index} died ({why}); {self._live_line()}; {plan}")
+
+    # ---- restarts --------------------------------------------------------------------------------------------
+    async def _restart_loop(self, slot: _Slot) -> None:
+        """Kill the dead engine, start a new one with the latest weights and put it in the slot's place; retry a
+        failed start (after restart_backoff_s) while the engine's budget lasts."""
+        index = slot.index
+        await self._kill(slot.handle)
+        while self._attempts[index] < self._max_restarts:
+            self._attempts[index] += 1
+            attempt = self._attempts[index]
+            handle = None
+            try:
+                handle = self._restart(index)
+                await asyncio.wait_for(handle.start.remote(), self._start_timeout_s)
+                await self._load_latest(handle)
+            except Exception as err:
+                self._event(f"rollout engine {index} restart {attempt}/{self._max_restarts} failed ({_short(err)})")
+                if handle is not None:
+                    await self._kill(handle)
+                await asyncio.sleep(self._restart_backoff_s)
+                continue
+            if self._slots[index] is not slot:  # replace_engine() put another engine there meanwhile
+                await self._kill(handle)
+                return
+            new = _Slot(index, handle, alive=False)
+            self._slots[index] = new
+            self._set_alive(new, True)
+            self._restarts += 1
+            self._event(f"rollout engine {index} restarted; {self._live_line()}")
+            return
+        slot.restarting = False
+        self._event(f"rollout engine {index} gave up after {self._max_restarts} restarts; {self._live_line()}")
+
+    async def _kill(self, handle: Any) -> None:
+        """Free what a dead engine still holds (device memory, its core's processes): a polite shutdown, then
+        ray.kill."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(handle.shutdown.remote(), self._health_timeout_s)
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+
+    async def _load_latest(self, handle: Any) -> None:
+        """Load the latest weights the router has seen, again if an update arrived meanwhile."""
+        loaded = None
+        while self._weights is not None and self._weights != loaded:
+            loaded = self._weights
+            source, version = loaded
+            await asyncio.wait_for(handle.update_weights.remote(source, version, "abort"), self._start_timeout_s)
 
     # ---- health ----------------------------------------------------------------------------------------------
     def _ensure_health_loop(self) -> None:
@@ -131,52 +305,87 @@ class Router:
 
     async def _health_loop(self) -> None:
         while True:
-            await asyncio.gather(*(self._check(slot) for slot in self._slots))
+            await self._check_all()
             await asyncio.sleep(self._health_interval_s)
+
+    async def _check_all(self) -> None:
+        await asyncio.gather(*(self._check(slot) for slot in self._slots if not slot.restarting))
 
     async def _check(self, slot: _Slot) -> None:
         try:
             status = await asyncio.wait_for(slot.handle.health.remote(), self._health_timeout_s)
-            ok = bool(status.get("ok", False))
-        except Exception:
-            ok = False
-        if not ok:
-            self._drain(slot, "failed health check")
+        except Exception as err:
+            slot.failures += 1
+            if _is_actor_death(err) or _is_core_death(err):
+                self._on_death(slot, _short(err), gone=True)
+            else:
+                why = "health check timed out" if isinstance(err, TimeoutError) else _short(err)
+                self._on_death(slot, why, gone=False)
+                if slot.failures >= self._stuck_checks:
+                    self._on_death(slot, f"stuck: {slot.failures} failed health checks", gone=True)
             return
-        if not slot.alive:
-            await self._rejoin(slot)
+        if status.get("dead"):
+            self._on_death(slot, "EngineDeadError: its health check reports the core dead", gone=True)
+        elif not status.get("ok", False):
+            slot.failures += 1
+            self._on_death(slot, "health not ok", gone=False)
+        else:
+            slot.failures = 0
+            if not slot.alive:
+                await self._rejoin(slot)
 
     async def _rejoin(self, slot: _Slot) -> None:
         try:
-            if self._weights is not None:
-                source, version = self._weights
-                await slot.handle.update_weights.remote(source, version, "abort")
-            slot.alive = True
-            log.warning("rollout engine %d rejoined", slot.index)
+            await self._load_latest(slot.handle)
         except Exception as err:
-            log.warning("rollout engine %d could not rejoin: %s", slot.index, err)
+            log.warning("rollout engine %d could not rejoin: %s", slot.index, _short(err))
+            return
+        if self._slots[slot.index] is slot and not slot.alive:
+            slot.gone = False
+            self._set_alive(slot, True)
+            self._event(f"rollout engine {slot.index} rejoined; {self._live_line()}")
 
     async def check_health(self) -> list[bool]:
         """Run one health round now (tests and the pipeline call it after replacing an engine)."""
-        await asyncio.gather(*(self._check(slot) for slot in self._slots))
+        await self._check_all()
         return [s.alive for s in self._slots]
 
     def replace_engine(self, index: int, handle: Any) -> None:
-        """Swap in a restarted engine; it rejoins at the next health round with the latest weights."""
-        self._drain(self._slots[index], "replaced")
+        """Swap in an engine started elsewhere; it rejoins at the next health round with the latest weights."""
+        self._drain(self._slots[index])
         self._slots[index] = _Slot(index, handle, alive=False)
+
+    async def fleet_status(self) -> dict[str, Any]:
+        """Live/total engines, cumulative deaths and successful restarts, engines restarting now, seconds with no
+        live engine (0.0 while one is live) and the event lines since the previous call (cleared here). The
+        pipeline polls it every step and stops the run when no_live_s exceeds rollout.no_engine_timeout_s."""
+        self._ensure_health_loop()
+        events = list(self._events)
+        self._events.clear()
+        since = self._none_live_since
+        return {
+            "live": len(self._live()),
+            "total": len(self._slots),
+            "deaths": self._deaths,
+            "restarts": self._restarts,
+            "restarting": sum(s.restarting for s in self._slots),
+            "no_live_s": 0.0 if since is None else time.monotonic() - since,
+            "events": events,
+        }
 
     # ---- fleet-wide control ----------------------------------------------------------------------------------
     async def _each_live(self, method: str, *args: Any) -> list[Any]:
-        live = [s for s in self._slots if s.alive]
-        results = await asyncio.gather(*(self._call(s, method, *args) for s in live), return_exceptions=True)
+        """Call every live engine; a dead one is drained and skipped, any other engine error propagates."""
+        self._ensure_health_loop()
+        results = await asyncio.gather(*(self._call(s, method, *args) for s in self._live()), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, RetryableEngineError)]
         if errors:
             raise errors[0]
         return [r for r in results if not isinstance(r, BaseException)]
 
     async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
-        """Update every live engine; returns the slowest engine's seconds."""
+        """Update every live engine; returns the slowest engine's seconds. Engines restarting or rejoining later
+        load these weights first."""
         self._weights = (source, version)
         t0 = time.perf_counter()
         await self._each_live("update_weights", source, version, drain)

