@@ -67,7 +67,7 @@ class Pipeline:
         check_model_loads(self.model_path)
         self.trainer = TrainerGroup(cfg, self.model_path)
         self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
-        self.router = start_router(self.engines, cfg.rollout)
+        self.router = start_router(self.engines, cfg.rollout, model_path=self.model_path, seed=cfg.seed)
         self.reward_pool = self._reward_pool()
         self.managers = start_managers(cfg, self.model_path, self.router, self.reward_pool)
         train = cfg.envs.train
@@ -130,14 +130,15 @@ class Pipeline:
 
     async def watch_engines(self, every_s: float = 2.0) -> None:
         """Print engine deaths and restarts as they happen; stop the run when no engine has been healthy for
-        rollout.no_engine_timeout_s (the trainer's wait for a batch raises RolloutStalled)."""
+        rollout.no_engine_timeout_s and none is being restarted (the trainer's wait for a batch raises
+        RolloutStalled; a restart that never finishes times out in the router)."""
         timeout = self.cfg.rollout.no_engine_timeout_s
         while True:
             status = await self.router.fleet_status.remote()
             for line in status["events"]:
                 print(f"agentrl: {line}", file=sys.stderr, flush=True)
             self.fleet = fleet_metrics(status)
-            if status["no_live_s"] > timeout:
+            if status["no_live_s"] > timeout and not status["restarting"]:
                 await self.buffer.stall(
                     f"no healthy rollout engine for {status['no_live_s']:.0f} s (rollout.no_engine_timeout_s="
                     f"{timeout:g}); {status['deaths']} engine deaths, {status['restarts']} restarts"

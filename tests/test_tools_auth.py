@@ -124,9 +124,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_cli_serves_with_token_and_logs_json():
+def test_cli_serves_with_token_and_logs_json(spawn):
     port = _free_port()
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "agentrl", "serve-tools", str(EXAMPLE), "--port", str(port), "--token-env", "TT_TOKEN"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

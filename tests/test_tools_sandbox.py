@@ -1,12 +1,14 @@
 """Escapes from the built-in `python` tool's sandbox (issue 22 §4), each attempted for real and expected to fail.
 
-Real bubblewrap, real subprocesses, and one real `agentrl serve-tools` process whose environment holds its
-bearer token. Processes started inside the sandbox rename themselves (/proc/self/comm) to a unique marker so the
+Real bubblewrap (scripts/setup_venv.sh installs it; without it these tests fail with the tool's refusal), real
+subprocesses, and one real `agentrl serve-tools` process whose environment holds its bearer token. Processes
+started inside the sandbox rename themselves (prctl PR_SET_NAME, seen as /proc/PID/comm) to a unique marker so the
 host can check that none outlives the call.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -76,14 +78,10 @@ async def test_normal_path_still_works():
     assert (await sandbox({"code": big})).content == "2"
 
 
-async def test_no_process_environment_leaks_a_secret():
+async def test_no_process_environment_leaks_a_secret(spawn):
     secret = "s3cret-" + uuid.uuid4().hex
-    holder = subprocess.Popen(["sleep", "30"], env={"PATH": os.environ["PATH"], "AGENTRL_SECRET": secret})
-    try:
-        r = await sandbox({"code": READ_ENVIRONS.format(var="AGENTRL_SECRET")})
-    finally:
-        holder.kill()
-        holder.wait()
+    spawn(["sleep", "30"], env={"PATH": os.environ["PATH"], "AGENTRL_SECRET": secret})
+    r = await sandbox({"code": READ_ENVIRONS.format(var="AGENTRL_SECRET")})
     assert "found" in r.content  # the snippet really ran
     assert secret not in r.content and "AGENTRL_SECRET" not in r.content
 
@@ -123,6 +121,22 @@ async def test_cannot_write_outside_its_directory(tmp_path):
             t.unlink(missing_ok=True)
 
 
+async def test_private_tmp_is_capped():
+    code = (
+        "import os\n"
+        "written = 0\n"
+        "try:\n"
+        "    for i in range(10):\n"
+        "        with open(f'/tmp/f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (15 << 20))\n"
+        "        written += 15\n"
+        "except OSError as err:\n"
+        "    print(type(err).__name__, written)\n"
+    )
+    r = await sandbox({"code": code})  # 150 MiB asked for, in files under the 16 MiB file-size limit
+    assert r.content.startswith("OSError") and int(r.content.split()[1]) <= 64
+
+
 async def test_no_network_even_to_loopback():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
@@ -145,7 +159,7 @@ async def test_no_network_even_to_loopback():
 
 async def test_cannot_see_other_processes():
     r = await sandbox({"code": "import os\nprint(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))"})
-    pids = eval(r.content)  # a list of ints printed by the snippet
+    pids = json.loads(r.content)
     assert len(pids) <= 3 and max(pids) < 10  # bubblewrap's init and the interpreter, in their own namespace
 
 
@@ -222,12 +236,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_server_token_stays_out_of_the_sandbox(tmp_path):
+def test_server_token_stays_out_of_the_sandbox(tmp_path, spawn):
     token = "tok-" + uuid.uuid4().hex
     tools_file = tmp_path / "tools.yaml"
     tools_file.write_text("sets:\n  m:\n    python: {python: agentrl.tools.pyexec:python}\n")
     port = _free_port()
-    proc = subprocess.Popen(
+    proc = spawn(
         [sys.executable, "-m", "agentrl", "serve-tools", str(tools_file), "--port", str(port), "--token-env", "TT_TOK"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -235,32 +249,39 @@ def test_server_token_stays_out_of_the_sandbox(tmp_path):
         cwd=ROOT,
     )
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
-        steal = READ_ENVIRONS.format(var="TT_TOK") + (  # and, should a token turn up, try it on the server
-            "import re, urllib.request\n"
-            "for found in set(re.findall(r'tok-[0-9a-f]{32}', str(seen))):\n"
-            f"    req = urllib.request.Request('{base}/tools', headers={{'Authorization': 'Bearer ' + found}})\n"
-            "    print('status', urllib.request.urlopen(req, timeout=2).status)\n"
-        )
-        r = httpx.post(
-            f"{base}/tools/python/call",
-            json={"arguments": {"code": steal}},
-            headers={"Authorization": f"Bearer {token}"},
-            timeout=60,
-        )
-        assert r.status_code == 200
-        content = r.json()["content"]
-        assert "found" in content  # the snippet ran
-        assert token not in content and "TT_TOK" not in content and "status 200" not in content
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+    steal = READ_ENVIRONS.format(var="TT_TOK") + (  # and, should a token turn up, try it on the server
+        "import re, urllib.request\n"
+        "for found in set(re.findall(r'tok-[0-9a-f]{32}', str(seen))):\n"
+        f"    req = urllib.request.Request('{base}/tools', headers={{'Authorization': 'Bearer ' + found}})\n"
+        "    print('status', urllib.request.urlopen(req, timeout=2).status)\n"
+    )
+    r = httpx.post(
+        f"{base}/tools/python/call",
+        json={"arguments": {"code": steal}},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    content = r.json()["content"]
+    assert "found" in content  # the snippet ran
+    assert token not in content and "TT_TOK" not in content and "status 200" not in content
+
+
+def test_serve_tools_takes_no_abbreviated_token_option():
+    r = subprocess.run(
+        [sys.executable, "-m", "agentrl", "serve-tools", "examples/tools.yaml", "--token", "TT_TOK", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert r.returncode == 2 and "unrecognized arguments: --token" in r.stderr

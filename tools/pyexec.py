@@ -6,13 +6,15 @@ anywhere, reaching 127.0.0.1, and leaving setsid() children running after the ca
 
 So every call runs a fresh interpreter (`-I`) under bubblewrap (`bwrap`, Debian package `bubblewrap`):
 
-- own pid, network, ipc, uts and cgroup namespaces: it sees only its own processes and has no network at all;
+- own pid, network, ipc, uts and cgroup namespaces: it sees only its own processes and has no network (its
+  loopback is its own, so nothing on the host's 127.0.0.1 either);
 - a new root holding only /usr (with the /bin, /lib symlinks) and this Python installation, read-only (no /etc,
   no home, no project), plus a private, size-capped tmpfs /tmp as its working directory;
 - an environment holding nothing inherited (bwrap itself is started with the same clean environment);
 - kernel limits set before the snippet runs: address space, CPU seconds, file size, open files, process count;
-- one lifetime: bwrap's init is pid 1 of the namespace and dies with bwrap (`--die-with-parent`), and the kernel
-  kills every process of a pid namespace whose init exits, at the wall-time limit and on a normal exit alike.
+- one lifetime: the launcher is pid 1 of the namespace and dies with bwrap (`--die-with-parent`); the kernel kills
+  every process of a pid namespace whose init exits, and the call returns only after that, at the wall-time limit
+  (bwrap killed) and on a normal exit alike.
 
 The process-count limit (RLIMIT_NPROC) is counted per user and waived for root. A server running as root therefore
 starts bwrap without a user namespace and the launcher drops to a fresh random uid (and so all capabilities) before
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -123,6 +127,7 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
         argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         argv += ["--unshare-user", "--disable-userns"]
+    argv += ["--hostname", "sandbox"]
     for key, value in _clean_env("/tmp").items():
         argv += ["--setenv", key, value]
     argv += ["--ro-bind", "/usr", "/usr"]
@@ -175,7 +180,7 @@ async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: 
     if unsafe:
         with tempfile.TemporaryDirectory(prefix="agentrl-py-") as workdir:
             argv = [sys.executable, "-I", "-c", _launcher(lim, None, None, as_init=False)]
-            return await _run(argv, code, lim, cwd=workdir, env=_clean_env(workdir))
+            return await _run(argv, code, lim, workdir, _clean_env(workdir))
     as_root = os.geteuid() == 0
     reason = await asyncio.to_thread(_probe, BWRAP, as_root)
     if reason is not None:
@@ -185,11 +190,25 @@ async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: 
         )
     uid = (1 << 30) + secrets.randbelow(1 << 30) if as_root else None  # fresh per call: its own process count
     bwrap = shutil.which(BWRAP) or BWRAP
-    argv = [*_bwrap_argv(bwrap, as_root, lim.tmp_mb << 20), sys.executable, "-I", "-c"]
-    return await _run([*argv, _launcher(lim, uid, lim.max_processes)], code, lim, cwd=None, env=_clean_env("/tmp"))
+    info_r, info_w = os.pipe()  # bwrap reports the host pid of the namespace's init here
+    try:
+        argv = [*_bwrap_argv(bwrap, as_root, lim.tmp_mb << 20), "--info-fd", str(info_w), sys.executable, "-I", "-c"]
+        argv.append(_launcher(lim, uid, lim.max_processes))
+        return await _run(argv, code, lim, None, _clean_env("/tmp"), pass_fds=(info_w,), info_fd=info_r)
+    finally:
+        os.close(info_r)
+        os.close(info_w)
 
 
-async def _run(argv: list[str], code: str, lim: SandboxLimits, cwd: str | None, env: dict[str, str]) -> RunOutput:
+async def _run(
+    argv: list[str],
+    code: str,
+    lim: SandboxLimits,
+    cwd: str | None,
+    env: dict[str, str],
+    pass_fds: tuple[int, ...] = (),
+    info_fd: int | None = None,
+) -> RunOutput:
     proc = await asyncio.create_subprocess_exec(
         *argv,
         cwd=cwd,
@@ -198,6 +217,7 @@ async def _run(argv: list[str], code: str, lim: SandboxLimits, cwd: str | None, 
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
         start_new_session=True,  # its own process group: a timeout kills every child it forked too
+        pass_fds=pass_fds,
     )
     chunks: list[bytes] = []
     size = 0
@@ -236,23 +256,49 @@ async def _run(argv: list[str], code: str, lim: SandboxLimits, cwd: str | None, 
         timed_out = True
     finally:
         feeder.cancel()
-        _kill(proc)
+        killed = _kill(proc) or truncated
         if proc.stdin is not None:
             proc.stdin.close()
         try:
             await asyncio.wait_for(proc.wait(), 5)
+            await asyncio.wait_for(_drain(proc.stdout), 1)  # to EOF, so the pipe transport closes (no leak)
         except TimeoutError:
             pass
+        if killed and info_fd is not None:
+            await _wait_for_init(info_fd)
     text = b"".join(chunks).decode("utf-8", errors="replace")
     return RunOutput(text, proc.returncode, timed_out=timed_out, truncated=truncated)
 
 
-def _kill(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+async def _drain(stream: asyncio.StreamReader | None) -> None:
+    while stream is not None and await stream.read(65536):
+        pass
+
+
+def _kill(proc: asyncio.subprocess.Process) -> bool:
+    """SIGKILL its process group, unless it has already exited. True when it was running."""
+    if proc.returncode is not None:
+        return False
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return True
+
+
+async def _wait_for_init(info_fd: int, timeout_s: float = 2.0) -> None:
+    """After killing bwrap: wait until the sandbox's init has exited, which the kernel completes only once every
+    other process of its pid namespace is dead (its parent-death signal started that; this closes the gap)."""
+    os.set_blocking(info_fd, False)
+    try:
+        pid = json.loads(os.read(info_fd, 4096))["child-pid"]
+        pidfd = os.pidfd_open(pid)  # only waited on, never signalled: a reused pid costs a wait, nothing more
+    except (OSError, ValueError, KeyError):  # bwrap had not started it, or it is gone already
+        return
+    try:
+        await asyncio.to_thread(select.select, [pidfd], [], [], timeout_s)
+    finally:
+        os.close(pidfd)
 
 
 # killed by RLIMIT_CPU: the signal itself (no sandbox) or 128 + signal (bwrap's report of it)

@@ -70,6 +70,10 @@ def _short(err: BaseException) -> str:
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+def _restarts(n: int) -> str:
+    return f"{n} restart" if n == 1 else f"{n} restarts"
+
+
 def fleet_metrics(status: dict[str, Any]) -> dict[str, float]:
     """The metrics of a `Router.fleet_status()` answer, under their logged names."""
     return {
@@ -243,7 +247,7 @@ class Router:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
         elif self._max_restarts:
-            plan = f"gave up after {used} restarts"
+            plan = f"gave up after {_restarts(used)}"
         else:
             plan = "not restarting"
         self._event(f"rollout engine {slot.index} died ({why}); {self._live_line()}; {plan}")
@@ -278,7 +282,7 @@ class Router:
             self._event(f"rollout engine {index} restarted; {self._live_line()}")
             return
         slot.restarting = False
-        self._event(f"rollout engine {index} gave up after {self._max_restarts} restarts; {self._live_line()}")
+        self._event(f"rollout engine {index} gave up after {_restarts(self._max_restarts)}; {self._live_line()}")
 
     async def _kill(self, handle: Any) -> None:
         """Free what a dead engine still holds (device memory, its core's processes): a polite shutdown, then
