@@ -4,7 +4,8 @@ Why: a thread running a runaway verifier (a sympy blow-up, an untrusted checker)
 CPU-heavy Python holds the GIL of the worker. Each slot is a one-process pool; a call takes a slot, and a
 timeout (or a crash) kills that process and replaces the slot, leaving the other slots alone. Functions are
 passed by name (registered or module:function) and resolved in the subprocess (spawned, not forked: the
-parent is a threaded Ray worker).
+parent is a threaded Ray worker), which first imports the run's user modules (`--import`), so rewards they
+register are found there too.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from agentrl.plugins import load_user_modules
 from agentrl.reward.registry import call_reward_sync
 from agentrl.reward.types import FnOutput
 from agentrl.types import Episode
@@ -29,7 +31,7 @@ class ProcessSlots:
         self._all: set[ProcessPoolExecutor] = set()
 
     def _new(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(max_workers=1, mp_context=self._ctx)
+        pool = ProcessPoolExecutor(max_workers=1, mp_context=self._ctx, initializer=load_user_modules)
         self._all.add(pool)
         return pool
 

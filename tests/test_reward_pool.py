@@ -154,6 +154,27 @@ async def test_process_isolation_kills_a_hung_verifier(tmp_path) -> None:
         pool.shutdown()
 
 
+async def test_process_isolation_finds_rewards_registered_by_user_modules(tmp_path, monkeypatch) -> None:
+    """A reward registered by name in an --import module resolves in the spawned subprocess too."""
+    (tmp_path / "drill_rewards.py").write_text(
+        "import os\nfrom agentrl.reward import register\n\n\n"
+        "@register('drill_pid')\ndef drill_pid(episode):\n    return float(os.getpid())\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    from agentrl.plugins import import_user_modules
+
+    import_user_modules(["drill_rewards"])  # what the CLI does for --import drill_rewards
+    pool = RewardPool(cfg({"name": "drill_pid", "isolation": "process", "timeout_s": 60}), local=True)
+    try:
+        result = await asyncio.wait_for(pool.score(math_episode(0)), 60)
+        assert not result.missing, result.missing
+        assert result.components["drill_pid"] not in (0.0, float(os.getpid()))  # it ran in the subprocess
+    finally:
+        pool.shutdown()
+
+
 async def test_500_episodes_two_ray_workers_slow_and_failing(ray_session) -> None:
     slow_s = 0.2
     reward_cfg = cfg(
