@@ -13,8 +13,6 @@ the number of trained batches (the warm-start weights are version 0), the unit m
 from __future__ import annotations
 
 import asyncio
-import json
-import logging
 import os
 import shutil
 import signal
@@ -29,21 +27,23 @@ from typing import Any
 import ray
 
 from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
-from agentrl.config import Config, check_model_loads, dump_yaml
-from agentrl.envmanager.manager import (
-    FirstOfKind,
-    check_envs_in_actor,
-    check_turn_limits,
-    evaluate,
-    start_managers,
-)
+from agentrl.config import Config, ConfigError, dump_yaml
+from agentrl.envmanager.manager import FirstOfKind, evaluate, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads
-from agentrl.plugins import ray_runtime_env
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.router import fleet_metrics
-from agentrl.run_state import RunState, Snapshot, TaskSchedule, latest_checkpoint, load_run_state, save_run_state
+from agentrl.run_state import (
+    RunState,
+    Snapshot,
+    TaskSchedule,
+    TrainedLog,
+    latest_checkpoint,
+    load_run_state,
+    save_run_state,
+)
+from agentrl.startup import check_before_start, init_ray
 from agentrl.step_metrics import batch_metrics
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Group
@@ -59,12 +59,10 @@ def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
 
 class Pipeline:
     def __init__(self, cfg: Config, run_dir: Path):
-        check_turn_limits(cfg)  # before anything slow starts
-        check_envs_in_actor(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_model_loads(self.model_path)
+        check_before_start(cfg, self.model_path)
         self.trainer = TrainerGroup(cfg, self.model_path)
         self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
         self.router = start_router(self.engines, cfg.rollout, model_path=self.model_path, seed=cfg.seed)
@@ -80,6 +78,7 @@ class Pipeline:
             stop_after_failed_groups=cfg.rollout.stop_after_failed_groups,
         )
         self.state = RunState(schedule=TaskSchedule.for_envs(train))
+        self.trained_log = TrainedLog(run_dir / "trained_groups.jsonl")
         self.last_val: dict[str, float] = {}
         self.tasks: set[asyncio.Future] = set()
         self.log_failure = FirstOfKind("rollout")  # the env managers' logs stay in Ray's files; say it here
@@ -187,10 +186,10 @@ class Pipeline:
             snapshot = await asyncio.to_thread(load_run_state, resume_from, self.trainer, self.buffer)
             state = self.state = snapshot.state
             print(f"agentrl: {snapshot.describe()}", flush=True)
-            self._forget_trained_after(state.step)
+            self.trained_log.forget_after(state.step)
             await self.sync_weights(state.step)
         else:
-            self._forget_trained_after(0)  # a run killed before its first checkpoint starts again from scratch
+            self.trained_log.forget_after(0)  # a run killed before its first checkpoint starts again from scratch
             if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
                 self.sink.log(0, await self.warm_start())
                 await self.sync_weights(0)
@@ -233,7 +232,7 @@ class Pipeline:
             metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
         state.step += 1
         state.trained += len(groups)
-        self._record_trained(state.step, groups)
+        self.trained_log.record(state.step, groups)
         metrics["train/version"] = float(self.trainer.version)
         with timed(metrics, "timing/weight_sync"):
             await self.sync_weights(state.step)
@@ -298,22 +297,6 @@ class Pipeline:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop, sig)
 
-    @property
-    def trained_log(self) -> Path:
-        """Which task groups each step trained on, one JSON line per step (audits a run; resume tests read it)."""
-        return self.run_dir / "trained_groups.jsonl"
-
-    def _record_trained(self, step: int, groups: list[Group]) -> None:
-        with self.trained_log.open("a") as f:
-            f.write(json.dumps({"step": step, "groups": [f"{g.tag}/{g.seed}" for g in groups]}) + "\n")
-
-    def _forget_trained_after(self, step: int) -> None:
-        """On resume: steps after the checkpoint are trained again, so their lines go."""
-        if self.trained_log.exists():
-            lines = self.trained_log.read_text().splitlines()
-            kept = [line for line in lines if json.loads(line)["step"] <= step]
-            self.trained_log.write_text("".join(f"{line}\n" for line in kept))
-
     async def save(self) -> Path:
         snapshot = Snapshot.take(self.state, self.buffer)  # one instant: taken before anything is awaited
         return await asyncio.to_thread(
@@ -354,20 +337,17 @@ def train(cfg: Config, resume: str | None = None) -> int:
     rollout saves a checkpoint and ends the run with one line saying how to resume it."""
     configure_cpu_threads(1)
     run_dir = Path(resume or cfg.run_dir)
+    new_dir = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     resume_from = latest_checkpoint(run_dir) if (resume or cfg.checkpoint.resume == "auto") else None
-    if not ray.is_initialized():
-        # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
-            address=cfg.ray_address,
-            runtime_env=ray_runtime_env(),
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    pipeline = Pipeline(cfg, run_dir)
+    init_ray(cfg.ray_address)
+    try:
+        pipeline = Pipeline(cfg, run_dir)
+    except ConfigError:
+        if new_dir:  # a run that never started leaves no folder behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     resume_hint = f"resume with: agentrl train {run_dir / 'config.yaml'} --resume {run_dir}"
     try:
         result = asyncio.run(pipeline.run(resume_from))

@@ -13,6 +13,7 @@ after that, so a kill at any point leaves the previous checkpoint intact and the
 from __future__ import annotations
 
 import copy
+import json
 import os
 import pickle
 import shutil
@@ -83,6 +84,24 @@ class Snapshot:
         """After load_run_state, where to_rerun holds every group that was in flight."""
         running, ready = len(self.state.to_rerun), len(self.buffer["ready"])
         return f"resuming from step {self.state.step} ({running} groups in flight, {ready} ready)"
+
+
+@dataclass
+class TrainedLog:
+    """Which task groups each step trained, one JSON line per step: the audit trail of exactly-once training."""
+
+    path: Path
+
+    def record(self, step: int, groups: list[Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "groups": [f"{g.tag}/{g.seed}" for g in groups]}) + "\n")
+
+    def forget_after(self, step: int) -> None:
+        """On resume (or a restart from scratch, step 0): the steps after the checkpoint are trained again."""
+        if self.path.exists():
+            lines = self.path.read_text().splitlines()
+            kept = [line for line in lines if json.loads(line)["step"] <= step]
+            self.path.write_text("".join(f"{line}\n" for line in kept))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

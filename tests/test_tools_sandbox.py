@@ -230,6 +230,19 @@ async def test_refuses_without_isolation_unless_unsafe(monkeypatch):
     assert (await pyexec.python_unsafe({"code": "print(2 + 2)"})).content == "4"
 
 
+def test_a_server_that_could_only_refuse_python_calls_does_not_start(tmp_path, monkeypatch):
+    from agentrl.tools.serve import ServeError, load_tools_file
+
+    tools_file = tmp_path / "tools.yaml"
+    tools_file.write_text("sets:\n  m:\n    python: {python: agentrl.tools.pyexec:python}\n")
+    assert [t.name for t in load_tools_file(tools_file)] == ["python"]  # bwrap works here
+    monkeypatch.setattr(pyexec, "BWRAP", "/nonexistent/bwrap")
+    with pytest.raises(ServeError, match=r"tools.sets.m.python: python sandbox unavailable .*install bubblewrap"):
+        load_tools_file(tools_file)
+    tools_file.write_text("sets:\n  m:\n    python: {python: agentrl.tools.pyexec:python_unsafe}\n")
+    assert [t.name for t in load_tools_file(tools_file)] == ["python"]  # said unsafe: serves without a jail
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -140,6 +140,9 @@ class Tool:
         doc_description, arg_docs = _doc_parts(fn.__doc__)
         self.description = description or doc_description or self.name
         self.timeout_s = timeout_s
+        # Why the tool cannot run on this machine (None: it can); asked before serving, so a server that could
+        # only refuse every call does not start.
+        self.check: Callable[[], str | None] | None = None
         self.is_async = inspect.iscoroutinefunction(fn)
         self.session_param: str | None = None
         hints = get_type_hints(fn, include_extras=True)

@@ -1,7 +1,7 @@
 """Built-in `python`: run a snippet in a sandboxed subprocess and return what it printed.
 
-Why a jail: the snippet is model-written code on the machine that runs the tool server. Drills (issue 22) found
-an unjailed snippet reading the server's bearer token from /proc/<parent>/environ, reading /etc/shadow, writing
+Why a jail: the snippet is model-written code on the machine that runs the tool server. Drills found an unjailed
+snippet reading the server's bearer token from /proc/<parent>/environ, reading /etc/shadow, writing
 anywhere, reaching 127.0.0.1, and leaving setsid() children running after the call.
 
 So every call runs a fresh interpreter (`-I`) under bubblewrap (`bwrap`, Debian package `bubblewrap`):
@@ -156,6 +156,17 @@ def _launcher(lim: SandboxLimits, uid: int | None, nproc: int | None, as_init: b
     return _LAUNCHER.format(as_init=as_init, uid=uid, mem=mem, cpu=cpu, fsize=fsize, nproc=nproc)
 
 
+def sandbox_problem() -> str | None:
+    """Why the sandbox cannot run here, as the one line a user sees (None when it can)."""
+    reason = _probe(BWRAP, os.geteuid() == 0)
+    if reason is None:
+        return None
+    return (
+        f"python sandbox unavailable ({reason}): install bubblewrap (apt-get install bubblewrap), or, only "
+        "where the server is already in a disposable container, configure agentrl.tools.pyexec:python_unsafe"
+    )
+
+
 @functools.cache
 def _probe(bwrap: str, as_root: bool) -> str | None:
     """Why the sandbox cannot run here, or None when it can: one real, empty run."""
@@ -182,12 +193,9 @@ async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: 
             argv = [sys.executable, "-I", "-c", _launcher(lim, None, None, as_init=False)]
             return await _run(argv, code, lim, workdir, _clean_env(workdir))
     as_root = os.geteuid() == 0
-    reason = await asyncio.to_thread(_probe, BWRAP, as_root)
-    if reason is not None:
-        raise SandboxUnavailable(
-            f"python sandbox unavailable ({reason}): install bubblewrap (apt-get install bubblewrap), or, only "
-            "where the server is already in a disposable container, configure agentrl.tools.pyexec:python_unsafe"
-        )
+    problem = await asyncio.to_thread(sandbox_problem)
+    if problem is not None:
+        raise SandboxUnavailable(problem)
     uid = (1 << 30) + secrets.randbelow(1 << 30) if as_root else None  # fresh per call: its own process count
     bwrap = shutil.which(BWRAP) or BWRAP
     info_r, info_w = os.pipe()  # bwrap reports the host pid of the namespace's init here
@@ -339,7 +347,9 @@ def make_python_tool(
         return _describe(await run_sandboxed(code, lim, unsafe=unsafe), lim)
 
     # the server enforces its own per-call timeout as well; give the sandbox time to report first
-    return Tool(python, name=name, timeout_s=timeout_s + 5.0)
+    tool = Tool(python, name=name, timeout_s=timeout_s + 5.0)
+    tool.check = None if unsafe else sandbox_problem
+    return tool
 
 
 python = make_python_tool()

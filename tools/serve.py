@@ -77,6 +77,9 @@ def load_tools_file(path: str | Path) -> list[Tool]:
                 tools[name] = load_python_tool(spec.python, name=name, timeout_s=spec.timeout_s)
             except (ValueError, TypeError) as err:
                 raise ServeError(f"{path}: tools.sets.{set_name}.{name}: {err}") from None
+            problem = tools[name].check() if tools[name].check else None
+            if problem:
+                raise ServeError(f"{path}: tools.sets.{set_name}.{name}: {problem}")
             specs[name] = spec
     if not tools:
         raise ServeError(f"{path}: no tools to serve (expected sets: {{set: {{name: {{python: mod:fn}}}}}})")

@@ -36,7 +36,9 @@ def load_python_tool(path: str, name: str | None = None, timeout_s: float | None
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot load tool {path!r}: {err}") from None
     if isinstance(obj, Tool):
-        return Tool(obj.fn, name=name or obj.name, description=obj.description, timeout_s=timeout_s or obj.timeout_s)
+        tool = Tool(obj.fn, name=name or obj.name, description=obj.description, timeout_s=timeout_s or obj.timeout_s)
+        tool.check = obj.check
+        return tool
     if not callable(obj):
         raise ValueError(f"tool {path!r} is not callable")
     return Tool(obj, name=name, timeout_s=timeout_s)

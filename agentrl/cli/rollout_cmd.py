@@ -5,11 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 from pathlib import Path
 
 from agentrl.config import load_config
-from agentrl.config.loader import check_model_loads
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -32,27 +30,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _fleet(cfg, model_path: str) -> list:
     """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
-    import ray
-
-    from agentrl.envmanager.manager import check_envs_in_actor, check_turn_limits, start_managers
-    from agentrl.plugins import ray_runtime_env
+    from agentrl.envmanager.manager import start_managers
     from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.startup import check_before_start, init_ray
 
-    check_turn_limits(cfg)
-    check_model_loads(model_path)
-    if not ray.is_initialized():
-        # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
-        ray.init(
-            address=cfg.ray_address,
-            runtime_env=ray_runtime_env(),
-            include_dashboard=False,
-            log_to_driver=False,
-            configure_logging=False,
-        )
-    check_envs_in_actor(cfg)
+    init_ray(cfg.ray_address)
+    check_before_start(cfg, model_path)
     engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)
-    router = start_router(engines, cfg.rollout)
+    router = start_router(engines, cfg.rollout, model_path=model_path, seed=cfg.seed)
     return start_managers(cfg, model_path, router)
 
 
