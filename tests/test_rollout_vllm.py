@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 
 import pytest
 import torch
@@ -55,12 +56,20 @@ async def test_32_concurrent_requests_through_router_are_sticky(fleet):
     assert {e for used in by_episode.values() for e in used} == {0, 1}, "load should spread over both engines"
 
 
+async def until_streaming(engines: list, timeout_s: float = 60.0) -> None:
+    """Wait until a running request has generated tokens (a fixed sleep fails when the machine is loaded)."""
+    deadline = time.monotonic() + timeout_s
+    while sum([(await e.stats.remote())["tokens_streaming"] for e in engines]) == 0:
+        assert time.monotonic() < deadline, f"no token generated in {timeout_s} s"
+        await asyncio.sleep(0.05)
+
+
 async def test_explicit_abort_returns_partial_tokens(fleet):
     _, engines, _ = fleet
     engine = engines[1]
     sampling = SamplingConfig(max_tokens=3000, temperature=1.0, ignore_eos=True)
     task = asyncio.ensure_future(engine.generate.remote(PROMPT, sampling, "to-abort"))
-    await asyncio.sleep(0.5)
+    await until_streaming([engine])
     await engine.abort.remote("to-abort")
     out = await asyncio.wait_for(task, 30)
     assert out.finish_reason == "abort" and not out.preempted
@@ -92,7 +101,7 @@ async def test_abort_for_update_then_resume_keeps_both_versions(fleet, tiny_mode
         return await router.generate.remote("partial-ep", ids, s, rid)
 
     task = asyncio.ensure_future(generate_resumable(gen, PROMPT, sampling, "partial"))
-    await asyncio.sleep(0.5)
+    await until_streaming(engines)
     new = _perturbed_copy(tiny_model_path, tmp_path / "vnext", scale=0.01)
     await router.update_weights.remote(new, start_version + 1)
     out = await asyncio.wait_for(task, 120)
@@ -113,7 +122,7 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     # pin an episode to the victim: engine 0 is chosen first when both are idle
     assert await router.sticky_engine.remote("doomed") is None
     pending = asyncio.ensure_future(router.generate.remote("doomed", PROMPT, sampling, "d0"))
-    await asyncio.sleep(0.5)
+    await until_streaming([victim])
     assert await router.sticky_engine.remote("doomed") == 0
     ray_session.kill(victim)
     with pytest.raises(RetryableEngineError):

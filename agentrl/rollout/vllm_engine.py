@@ -58,6 +58,7 @@ class VLLMEngine(GatedEngine):
         self._eos = eos_token_ids(model_path)
         self._llm = None
         self._start_seconds = 0.0
+        self._streamed: dict[str, int] = {}  # request id -> tokens generated so far
 
     async def start(self) -> dict[str, Any]:
         """Build the AsyncLLM (10-20 s on CPU); idempotent."""
@@ -93,6 +94,7 @@ class VLLMEngine(GatedEngine):
                 {"prompt_token_ids": list(token_ids)}, self._sampling(sampling), request_id=request_id
             ):
                 final = out
+                self._streamed[request_id] = len(out.outputs[0].token_ids)
         except asyncio.CancelledError:
             await self._llm.abort(request_id)
             raise
@@ -100,6 +102,8 @@ class VLLMEngine(GatedEngine):
             if self._core_dead():
                 raise EngineDeadError(f"vLLM engine core died during request {request_id}: {err}") from err
             raise EngineError(f"vLLM failed request {request_id}: {err}") from err
+        finally:
+            self._streamed.pop(request_id, None)
         if final is None:
             raise EngineError(f"vLLM returned no output for request {request_id}")
         comp = final.outputs[0]
@@ -117,6 +121,10 @@ class VLLMEngine(GatedEngine):
         if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
             await self._llm.collective_rpc("refresh_cpu_gemm")
         await self._llm.reset_prefix_cache()
+
+    async def stats(self) -> dict[str, Any]:
+        """The shared counters, plus `tokens_streaming`: tokens generated so far by requests still running."""
+        return {**await super().stats(), "tokens_streaming": sum(self._streamed.values())}
 
     def _core_dead(self) -> bool:
         """AsyncLLM.errored: the EngineCore process exited or its output loop failed; vLLM never recovers."""
