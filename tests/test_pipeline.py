@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
-from agentrl.pipeline import Pipeline
+from agentrl.pipeline import Pipeline, weights_dir
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 MODES = {
@@ -63,3 +67,19 @@ async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, t
         g for line in (tmp_path / "trained_groups.jsonl").read_text().splitlines() for g in json.loads(line)["groups"]
     ]
     assert len(groups) == len(set(groups)) == 3 * 2
+
+
+def test_weights_dir_is_per_driver_and_dead_drivers_folders_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    left = base / f"agentrl-weights-same-{int(dead.stdout)}"  # left behind by a kill -9
+    live = base / f"agentrl-weights-same-{os.getppid()}"  # another run of the same name, still running
+    for d in (left, live):
+        (d / "v3").mkdir(parents=True, exist_ok=True)
+    try:
+        mine = weights_dir(tmp_path, "same")
+        assert mine.name == f"agentrl-weights-same-{os.getpid()}" and mine not in (left, live)
+        assert not left.exists() and live.exists()
+    finally:
+        for d in (left, live):
+            shutil.rmtree(d, ignore_errors=True)
