@@ -163,6 +163,7 @@ async def test_process_isolation_finds_rewards_registered_by_user_modules(tmp_pa
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AGENTRL_IMPORTS", "")  # import_user_modules sets it: restored when the test ends
     from agentrl.plugins import import_user_modules
 
     import_user_modules(["drill_rewards"])  # what the CLI does for --import drill_rewards

@@ -26,7 +26,7 @@ from agentrl.tools.sokoban_hint import sokoban_hint
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # async fixtures live in the session loop (pyproject)
 TOKEN = "test-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-python = make_python_tool(timeout_s=1.5, memory_mb=256, max_output_bytes=2000)
+python = make_python_tool(timeout_s=4.0, memory_mb=256, max_output_bytes=2000)  # room for a loaded machine
 
 
 @tool

@@ -9,7 +9,7 @@ So every call runs a fresh interpreter (`-I`) under bubblewrap (`bwrap`, Debian 
 - own pid, network, ipc, uts and cgroup namespaces: it sees only its own processes and has no network (its
   loopback is its own, so nothing on the host's 127.0.0.1 either);
 - a new root holding only /usr (with the /bin, /lib symlinks) and this Python installation, read-only (no /etc,
-  no home, no project), plus a private, size-capped tmpfs /tmp as its working directory;
+  no home, no project), plus a private, size-capped tmpfs /tmp holding its empty working directory;
 - an environment holding nothing inherited (bwrap itself is started with the same clean environment);
 - kernel limits set before the snippet runs: address space, CPU seconds, file size, open files, process count;
 - one lifetime: the launcher is pid 1 of the namespace and dies with bwrap (`--die-with-parent`); the kernel kills
@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from agentrl.tools.core import Tool
 
 BWRAP = "bwrap"  # name or path of the bubblewrap binary (tests point it elsewhere)
+WORKDIR = "/tmp/.sandbox"  # the snippet's empty working directory, on the sandbox's private /tmp
 
 # Runs first in the child: the snippet comes on stdin (no size limit from argv); limits are set on both soft and
 # hard values, so the snippet cannot raise them back. In the sandbox the launcher is pid 1 (`--as-pid-1`, so that
@@ -128,7 +129,7 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
     else:
         argv += ["--unshare-user", "--disable-userns"]
     argv += ["--hostname", "sandbox"]
-    for key, value in _clean_env("/tmp").items():
+    for key, value in _clean_env(WORKDIR).items():
         argv += ["--setenv", key, value]
     argv += ["--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):  # merged /usr: symlinks into /usr
@@ -136,7 +137,9 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
             argv += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             argv += ["--ro-bind", top, top]
-    made: set[str] = set()
+    # /tmp first: the Python installation may live under /tmp (a CI clone) and is then bound on top of it
+    argv += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
+    made: set[str] = {"/tmp"}
     for path in _python_dirs():
         parent = os.path.dirname(path)
         ancestors = []
@@ -147,8 +150,8 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
-    return [*argv, "--chdir", "/tmp"]
+    argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--dir", WORKDIR]
+    return [*argv, "--chdir", WORKDIR]
 
 
 def _launcher(lim: SandboxLimits, uid: int | None, nproc: int | None, as_init: bool = True) -> str:
