@@ -106,6 +106,7 @@ def test_a_killed_engine_is_restarted_and_a_run_with_none_left_stops_with_a_chec
     assert code == 1, out[-30:]
     assert out[-1].startswith("agentrl: stopped at step ") and "no healthy rollout engine for" in out[-1], out[-10:]
     assert any("died" in line for line in out) and any("gave up" in line for line in out), out
+    print(f"stopped {stop_s:.1f} s after the last engine died")
     assert stop_s < 90, f"took {stop_s:.0f} s to stop after the last engine died"
     rows = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r]
     assert rows[-1]["rollout/engine_deaths"] >= 1 and rows[-1]["rollout/engine_restarts"] == 1
