@@ -228,6 +228,13 @@ class TrainerConfig(Section):
         "pad",
         description="micro-batch layout: rows padded to the longest (CPU) or one packed row + block mask",
     )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="auto: fp32 on CPU, bf16 compute (fp32 master weights and reductions) on GPU/NPU"
+    )
+    activation_checkpointing: bool | None = Field(
+        None, description="recompute each decoder layer in backward; None = on for GPU/NPU, off on CPU"
+    )
+    cpu_offload: bool = Field(False, description="keep parameters, gradients and optimizer state in host memory")
     optim: OptimConfig = Field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
