@@ -30,12 +30,33 @@ class Platform:
     def is_accelerator(self) -> bool:
         return self.kind != "cpu"
 
+    @property
+    def process_group_backend(self) -> str:
+        """`init_process_group` backend of the trainer's default group: gloo for CPU tensors beside the device
+        backend ("cpu:gloo,cuda:nccl"). NCCL or HCCL alone has no CPU backend, so any collective on a CPU tensor
+        (step bookkeeping, object gathers, barriers) would raise. `dist_backend` stays the bare device backend:
+        the weight-sync group builds a single ProcessGroup class from it."""
+        if self.kind == "cpu":
+            return "gloo"
+        return f"cpu:gloo,{self.device_type}:{self.dist_backend}"
+
     def torch_device(self, index: int = 0):
         import torch
 
         if self.kind == "cpu":
             return torch.device("cpu")
         return torch.device(self.device_type, index)
+
+    def device_module(self):
+        """`torch.cuda` or `torch.npu` (set_device, get_rng_state, ...); None on CPU. torch.npu exists only once
+        torch_npu is imported, so it is imported here, lazily."""
+        import torch
+
+        if self.kind == "npu":
+            import torch_npu  # noqa: F401  (registers torch.npu)
+
+            return torch.npu
+        return torch.cuda if self.kind == "cuda" else None
 
     def default_dtype(self):
         """float32 on CPU (bf16 matmul is ~65x slower without AVX512/AMX), bf16 on accelerators."""

@@ -18,6 +18,7 @@ def _fresh_detection(monkeypatch):
 def test_real_detection_on_cpu_machine():
     p = plat.detect()
     assert p.kind == "cpu" and p.dist_backend == "gloo" and p.ray_resource is None
+    assert p.process_group_backend == "gloo" and p.device_module() is None
     import torch
 
     assert p.torch_device() == torch.device("cpu")
@@ -34,6 +35,10 @@ def test_simulated_cuda_detection(monkeypatch):
         "cuda", "nccl", "GPU", "CUDA_VISIBLE_DEVICES",
     )  # fmt: skip
     assert p.device_count == 4 and p.ray_actor_options(0.5) == {"num_gpus": 0.5, "num_cpus": 0}
+    assert p.process_group_backend == "cpu:gloo,cuda:nccl"  # bookkeeping collectives need the CPU backend
+    import torch
+
+    assert p.device_module() is torch.cuda
     assert "VLLM_CPU_KVCACHE_SPACE" not in p.vllm_env()
 
 
@@ -45,6 +50,7 @@ def test_simulated_npu_detection_wins_over_cuda(monkeypatch):
         "npu", "hccl", "NPU", "ASCEND_RT_VISIBLE_DEVICES",
     )  # fmt: skip
     assert p.ray_actor_options() == {"resources": {"NPU": 1.0}, "num_cpus": 0}
+    assert p.process_group_backend == "cpu:gloo,npu:hccl"
 
 
 def test_forced_platform_env(monkeypatch):

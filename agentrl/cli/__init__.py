@@ -16,7 +16,16 @@ from agentrl.plugins import UserImportError
 from agentrl.plugins import import_user_modules as _import_user_modules
 
 # Modules under agentrl.cli that add commands, in the order `agentrl --help` lists them.
-COMMAND_MODULES = ["train_cmd", "rollout_cmd", "config_cmd", "model_cmd", "envs_cmd", "tools_cmd", "export_cmd"]
+COMMAND_MODULES = [
+    "train_cmd",
+    "plan_cmd",
+    "rollout_cmd",
+    "config_cmd",
+    "model_cmd",
+    "envs_cmd",
+    "tools_cmd",
+    "export_cmd",
+]
 
 
 class UsageError(Exception):

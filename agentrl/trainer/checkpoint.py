@@ -1,9 +1,9 @@
 """Sharded checkpoints (torch.distributed.checkpoint) and Hugging Face exports.
 
 A checkpoint directory holds: DCP shards of model + optimizer (+ critic), `extra_rank{R}.pt` per rank
-(schedulers, RNG state, policy version, optimizer steps), `meta.json` (version, optimizer steps, world size,
-optimizer names), and `hf/` (config + tokenizer files) so that `agentrl export CKPT OUT` can rebuild a plain HF
-model dir without the original model path.
+(schedulers, CPU and device RNG state, policy version, optimizer steps), `meta.json` (version, optimizer steps,
+world size, optimizer names), and `hf/` (config + tokenizer files) so that `agentrl export CKPT OUT` can rebuild a
+plain HF model dir without the original model path.
 """
 
 from __future__ import annotations
@@ -59,6 +59,25 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: str | Path, name:
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / name)
     return str(out)
+
+
+def rng_state(device_module: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's RNG: the CPU generator, and its device's (dropout and sampling on an accelerator draw from it).
+    `device_module` is torch.cuda / torch.npu (`Platform.device_module()`), None on CPU."""
+    state = {"cpu": torch.get_rng_state()}
+    if device_module is not None:
+        state[device.type] = device_module.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device_module: Any, device: torch.device) -> None:
+    """Inverse of `rng_state`. A bare tensor is an older checkpoint's CPU state; a device state saved on another
+    device type is left out (generator states do not carry over between CUDA and NPU)."""
+    if isinstance(state, torch.Tensor):
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if device_module is not None and device.type in state:
+        device_module.set_rng_state(state[device.type], device)
 
 
 def save_sharded(

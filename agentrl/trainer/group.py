@@ -9,6 +9,7 @@ any rank surfaces.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import ray
@@ -33,6 +34,8 @@ class TrainerGroup:
         plat = detect()
         opts = plat.ray_actor_options(1.0)
         env = {**worker_env(), **({"AGENTRL_PLATFORM": plat.kind} if plat.kind == "cpu" else {})}
+        if os.environ.get("AGENTRL_STRICT_DEVICES"):  # device-placement checks (worker.py), e.g. on a device run
+            env["AGENTRL_STRICT_DEVICES"] = os.environ["AGENTRL_STRICT_DEVICES"]
         cls = ray.remote(TrainerRank).options(**opts, runtime_env={"env_vars": env})
         cfg_dict = cfg.model_dump(by_alias=True)
         self.ranks = [cls.remote(cfg_dict, path, r, n) for r in range(n)]

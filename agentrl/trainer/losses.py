@@ -26,7 +26,8 @@ def token_weights(mask: torch.Tensor, seq_ids: torch.Tensor, agg: str) -> torch.
     if agg != "seq_mean_token_mean":
         raise ValueError(f"unknown loss aggregation {agg!r} (known: {', '.join(AGGREGATIONS)})")
     ids = torch.where(mask > 0, seq_ids, torch.zeros_like(seq_ids)).long().flatten()
-    counts = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1).index_add_(0, ids, mask.flatten())
+    counts = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, device=mask.device)
+    counts.index_add_(0, ids, mask.flatten())
     return (mask.flatten() / counts[ids].clamp(min=1)).view_as(mask) * mask
 
 
@@ -45,10 +46,78 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     raise ValueError(f"unknown KL estimator {estimator!r} (known: k1, k3)")
 
 
+LOGIT_CHUNK_ELEMS = 1 << 24  # fp32 softmax elements alive at once (64 MiB): rows per chunk = this // vocab
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(z / T)[target] and entropy per row of z [N, V], one chunk of rows at a time, both ways.
+
+    Autograd through a chunked log_softmax would still keep every chunk's fp32 softmax for backward (and slice
+    backward adds a full-size zero gradient per chunk); here forward keeps only the logits (already alive as the
+    model's output) and two numbers per row, and backward recomputes each chunk's softmax and writes its gradient
+    straight into one [N, V] buffer: d logp_t / dz = onehot_t - p,  dH / dz = -p * (log p + H), times 1 / T.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, temperature: float, rows: int, with_entropy: bool, entropy_grad: bool):
+        n = logits.shape[0]
+        logp = logits.new_empty(n, dtype=torch.float32)
+        ent = logits.new_zeros(n, dtype=torch.float32)
+        for s in range(0, n, rows):
+            logp_all = torch.log_softmax(logits[s : s + rows].float() / temperature, dim=-1)
+            if targets is not None:
+                logp[s : s + rows] = logp_all.gather(-1, targets[s : s + rows, None]).squeeze(-1)
+            if with_entropy:
+                ent[s : s + rows] = -(logp_all.exp() * logp_all).sum(-1)
+        ctx.save_for_backward(logits, targets, ent)
+        ctx.temperature, ctx.rows = temperature, rows
+        ctx.set_materialize_grads(False)
+        if not entropy_grad:
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        logits, targets, ent = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for s in range(0, logits.shape[0], ctx.rows):
+            logp_all = torch.log_softmax(logits[s : s + ctx.rows].float() / ctx.temperature, dim=-1)
+            p = logp_all.exp()
+            g = torch.zeros_like(p)
+            if g_logp is not None and targets is not None:
+                gl = g_logp[s : s + ctx.rows, None]
+                g = g.scatter_add_(-1, targets[s : s + ctx.rows, None], gl) - p * gl
+            if g_ent is not None:
+                g -= p * (logp_all + ent[s : s + ctx.rows, None]) * g_ent[s : s + ctx.rows, None]
+            grad[s : s + ctx.rows] = g / ctx.temperature
+        return grad, None, None, None, None, None
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    targets: torch.Tensor | None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+    chunk_elems: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """log softmax(logits / T)[targets] and the entropy, per position ([..., vocab] -> [...]), in fp32.
+
+    The fp32 [tokens, vocab] log-softmax is never whole, forward or backward (see `_ChunkedLogprobs`). The
+    entropy carries a gradient only if `entropy_grad` (an entropy bonus); otherwise it is a metric.
+    """
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    tgt = targets.reshape(-1) if targets is not None else None
+    rows = max(1, (chunk_elems or LOGIT_CHUNK_ELEMS) // vocab)
+    logp, ent = _ChunkedLogprobs.apply(flat, tgt, float(temperature), rows, with_entropy, entropy_grad)
+    shape = logits.shape[:-1]
+    return (logp.view(shape) if tgt is not None else None), (ent.view(shape) if with_entropy else None)
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution along the last dim."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    """Entropy of the softmax distribution along the last dim (chunked: see `token_logprobs`)."""
+    return token_logprobs(logits, None, with_entropy=True)[1]
 
 
 def is_weights(
@@ -70,7 +139,7 @@ def is_weights(
             w = torch.exp(diff)
         elif level == "sequence":
             ids = torch.where(mask > 0, seq_ids, torch.zeros_like(seq_ids)).long().flatten()
-            sums = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=diff.dtype)
+            sums = torch.zeros(int(ids.max()) + 1 if ids.numel() else 1, dtype=diff.dtype, device=diff.device)
             sums.index_add_(0, ids, diff.flatten())
             w = torch.exp(sums[ids]).view_as(diff)
         else:

@@ -12,6 +12,8 @@ import functools
 import torch
 from torch import nn
 
+from agentrl.trainer.losses import token_logprobs
+
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """An HF causal LM with SDPA attention (it takes the 4D block-diagonal masks of packed micro-batches)."""
@@ -25,20 +27,27 @@ def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Mo
 class ValueModel(nn.Module):
     """The GAE critic: the policy's backbone (initialised from the same checkpoint) with a scalar head."""
 
-    def __init__(self, path: str, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, backbone: nn.Module) -> None:
         super().__init__()
-        from transformers import AutoModel
-
-        self.model = AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device)
+        self.model = backbone
         self.model.config.use_cache = False
-        self.value_head = nn.Linear(self.model.config.hidden_size, 1, dtype=dtype, device=device)
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        p = next(backbone.parameters())
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1, dtype=p.dtype, device=p.device)
+        if p.device.type != "meta":
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
         h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         # A fresh tensor, not a view: FSDP2 hooks the root's output for backward.
         return self.value_head(h.last_hidden_state).squeeze(-1).clone()
+
+
+def load_value_model(path: str, dtype: torch.dtype, device: torch.device) -> ValueModel:
+    """A critic loaded directly (every rank reads the whole checkpoint): tests and single-process use."""
+    from transformers import AutoModel
+
+    return ValueModel(AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")).to(device)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -105,6 +114,15 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
+def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
+    """The attention mask to hand the model. A packed row's [1, 1, T, T] block-diagonal mask is only the SDPA
+    fallback: flash-attention models get None and HF runs variable-length attention, the sequence boundaries
+    read from where the position ids restart (no T x T tensor). Padded [rows, T] masks pass unchanged."""
+    config = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
+    impl = getattr(config, "_attn_implementation", None) or ""
+    return None if mask.dim() == 4 and impl.startswith("flash") else mask
+
+
 def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
     """Logits [rows, len(positions), vocab] at `positions` (sorted) of each row.
 
@@ -112,11 +130,13 @@ def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: t
     share runs once, its KV cache broadcast to the rows (step-wise samples repeat a ~60-token system prompt in
     every row: measured 2.2x on the tiny model's step). Gradients reach the prefix through the cache.
     """
-    ids, mask, pos = batch["input_ids"], batch["attention_mask"], batch["position_ids"]
+    ids, mask, pos = batch["input_ids"], model_mask(model, batch["attention_mask"]), batch["position_ids"]
     if not _accepts(model, "logits_to_keep"):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return out.logits[:, positions]
-    n = shared_prefix_len(batch, int(positions[0])) if _accepts(model, "past_key_values") else 0
+    # Under activation checkpointing the backward replay would append the prefix's KV to the cache again.
+    recomputes = torch.is_grad_enabled() and getattr(model, "recomputes_layers", False)
+    n = shared_prefix_len(batch, int(positions[0])) if _accepts(model, "past_key_values") and not recomputes else 0
     if n == 0:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=positions)
         return out.logits
@@ -152,20 +172,14 @@ def forward_logprobs(
     targets = loss_positions(batch)
     if targets is None:
         targets = torch.arange(1, ids.shape[1], device=ids.device)
-    logits = causal_logits(model, batch, targets - 1).float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)  # once: the entropy reuses it
-    logp = logp_all.gather(-1, ids[:, targets].unsqueeze(-1)).squeeze(-1)
+    logits = causal_logits(model, batch, targets - 1)
+    logp, ent = token_logprobs(logits, ids[:, targets], temperature, with_entropy, entropy_grad)
     zeros = logp.new_zeros(ids.shape)
-    ent = None
-    if with_entropy:  # a metric unless entropy_grad (entropy bonus): then it needs the graph
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            ent = zeros.index_copy(1, targets, -(logp_all.exp() * logp_all).sum(-1))
+    ent = zeros.index_copy(1, targets, ent) if ent is not None else None
     return zeros.index_copy(1, targets, logp), ent
 
 
 def forward_values(critic: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """V(state before token t) at position t: the critic's output at t - 1, aligned like the log-probs."""
-    v = critic(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    v = critic(batch["input_ids"], model_mask(critic, batch["attention_mask"]), batch["position_ids"])
     return _shift_align(v[:, :-1].float())

@@ -28,14 +28,20 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 def build_optimizer(
     params: Iterable[torch.nn.Parameter], cfg: OptimConfig, total_steps: int, lr: float | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (foreach off: it is no faster on CPU and keeps DTensor params simple) with its scheduler."""
+    """AdamW with its scheduler. Fused (one kernel for all parameters) where the parameters live on CUDA; the
+    plain loop elsewhere: on CPU it is no slower and keeps DTensor params simple, and with CPU offload the params
+    (and so the step) are on the host. NPU keeps the plain loop too: torch_npu's fused AdamW is unverified here.
+    """
+    trainable = [p for p in params if p.requires_grad]
+    fused = bool(trainable) and trainable[0].device.type == "cuda"
     opt = torch.optim.AdamW(
-        [p for p in params if p.requires_grad],
+        trainable,
         lr=lr if lr is not None else cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
+        foreach=False if not fused else None,
+        fused=fused or None,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.warmup_steps, total_steps, cfg.schedule))
     return opt, sched

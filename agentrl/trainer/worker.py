@@ -4,6 +4,14 @@ Every rank receives the whole batch (one ray.put by the driver), computes the se
 the global loss denominators for all of it (cheap and identical everywhere), then works on its token-balanced
 shard. Each micro-batch's loss is divided by the *global* denominator and multiplied by the world size (FSDP2
 averages gradients over ranks), so 1 rank and N ranks take the same optimizer step up to float rounding.
+
+Devices and collectives. The default group is "cpu:gloo,<device>:<nccl|hccl>" (`Platform.process_group_backend`).
+Rule: a collective runs where its values already live. Model tensors (FSDP2's all-gathers and reduce-scatters, the
+grad norm) stay on the rank's device and use NCCL/HCCL; step bookkeeping (micro-batch counts, loss denominators,
+metric sums, object gathers) is host data and goes over gloo as CPU tensors, so it never costs a device copy.
+Everything that enters the model or a loss is on `self.device`: each collated micro-batch is moved there once,
+and metric sums stay there until one device-to-host copy at the end of a step. `AGENTRL_STRICT_DEVICES=1` (or
+`STRICT_DEVICES = True`) checks both rules at the collate output, the loss entry and before every collective.
 """
 
 from __future__ import annotations
@@ -21,38 +29,85 @@ from agentrl.config.schema import Config
 from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
 from agentrl.trainer import losses
-from agentrl.trainer.batching import collate, micro_batches, scatter_back, shard_indices
-from agentrl.trainer.checkpoint import hf_state_dict, load_sharded, save_sharded, write_safetensors
-from agentrl.trainer.model import ValueModel, apply_fsdp2, forward_logprobs, forward_values, load_causal_lm
+from agentrl.trainer.batching import LAYOUT_KEYS, collate, micro_batches, scatter_back, shard_indices, to_device
+from agentrl.trainer.checkpoint import (
+    hf_state_dict,
+    load_sharded,
+    rng_state,
+    save_sharded,
+    set_rng_state,
+    write_safetensors,
+)
+from agentrl.trainer.model import forward_logprobs, forward_values
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
+from agentrl.trainer.sharding import build_sharded
 from agentrl.types import Sample
 
 RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
            "is_truncated", "value_loss")  # fmt: skip
 SFT_SUMS = ("loss", "correct")
 
+STRICT_DEVICES = os.environ.get("AGENTRL_STRICT_DEVICES", "") == "1"
+
+
+def _check_device(tensors: Iterable[Any], device: torch.device, where: str) -> None:
+    """With STRICT_DEVICES: every tensor among `tensors` is on `device` (a CPU tensor in a device computation
+    fails late and far from its cause, or silently syncs)."""
+    if not STRICT_DEVICES:
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device != device:
+            raise RuntimeError(f"{where}: tensor of shape {tuple(t.shape)} on {t.device}, expected {device}")
+
+
+def _compute_tensors(batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+    """The micro-batch tensors the model and the losses read (all but the host-side layout keys)."""
+    return [v for k, v in batch.items() if k not in LAYOUT_KEYS]
+
+
+def _host_all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """all_reduce of step bookkeeping: a CPU tensor over the group's gloo backend (the module's collective rule)."""
+    if STRICT_DEVICES:
+        devices = {pair.split(":")[0] for pair in dist.get_backend_config().split(",")}
+        if t.device.type != "cpu" or "cpu" not in devices:
+            raise RuntimeError(f"bookkeeping collective on {t.device} in a group for {sorted(devices)}")
+    dist.all_reduce(t, op=op)
+    return t
+
 
 class RankSums:
-    """Named float sums over micro-batches, added over ranks in one collective at the end of a step.
+    """Named sums over micro-batches, added over ranks in one collective at the end of a step.
 
-    Every rank declares the same names, so the reduced vectors line up; the order lives only in here.
+    Values may be 0-dim device tensors: they stay on the device (no host sync per micro-batch) and reach the host
+    in one copy, where they are added in float64. Every rank declares the same names, so the reduced vectors line
+    up; the order lives only in here.
     """
 
     def __init__(self, names: Iterable[str]) -> None:
-        self._sums = dict.fromkeys(names, 0.0)
+        self._names = tuple(names)
+        self._rows: list[torch.Tensor] = []  # one float32 vector per micro-batch, on the values' device
 
-    def add(self, values: Mapping[str, float]) -> None:
+    def add(self, values: Mapping[str, float | torch.Tensor]) -> None:
         """Add one micro-batch's values; a name not declared is an error (ranks would disagree on the shape)."""
-        for name, value in values.items():
-            if name not in self._sums:
-                raise KeyError(f"undeclared sum {name!r} (declared: {', '.join(self._sums)})")
-            self._sums[name] += value
+        for name in values:
+            if name not in self._names:
+                raise KeyError(f"undeclared sum {name!r} (declared: {', '.join(self._names)})")
+        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
+        row = [values.get(n, 0.0) for n in self._names]
+        self._rows.append(
+            torch.stack([
+                v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=device)
+                for v in row
+            ])
+        )  # fmt: skip
 
     def all_reduce(self) -> dict[str, float]:
-        """Collective: the sums over all ranks (names never added stay 0)."""
-        total = torch.tensor(list(self._sums.values()), dtype=torch.float64)
-        dist.all_reduce(total)
-        return dict(zip(self._sums, total.tolist(), strict=True))
+        """Collective: the sums over micro-batches and ranks (names never added stay 0)."""
+        total = torch.zeros(len(self._names), dtype=torch.float64)
+        if self._rows:
+            total += torch.stack(self._rows).to("cpu", torch.float64).sum(0)
+        _host_all_reduce(total)
+        return dict(zip(self._names, total.tolist(), strict=True))
 
 
 @dataclass
@@ -88,30 +143,33 @@ class TrainerRank:
         plat = detect()
         if plat.kind == "cpu":
             configure_cpu_threads(1)
-        self.device = plat.torch_device(0)
-        if plat.kind == "cuda":
-            torch.cuda.set_device(self.device)
+        device_module = plat.device_module()  # torch.cuda / torch.npu; imports torch_npu, which "npu" devices need
+        self.device = plat.torch_device(0)  # Ray makes the rank's one device visible as index 0
+        if device_module is not None:
+            device_module.set_device(self.device)
         self.plat = plat
 
     def setup(self, addr: str, port: int) -> int:
         """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
         plat, model_path = self.plat, self.model_path
         dist.init_process_group(
-            plat.dist_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
+            plat.process_group_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
         )
         torch.manual_seed(self.cfg.seed)
-        dtype = torch.float32  # master weights; accelerators could add an FSDP2 MixedPrecisionPolicy
-        self.model = apply_fsdp2(load_causal_lm(model_path, dtype, self.device))
+
+        def build(role: str) -> torch.nn.Module:  # precision, checkpointing, offload: trainer config
+            return build_sharded(model_path, self.device, self.tc, plat, role)
+
+        self.model = build("policy")
         self.pad_id = self.model.config.pad_token_id or 0
         self.tied = bool(self.model.config.tie_word_embeddings)
         self.ref = None
         if self.alg.kl_coef > 0:
-            self.ref = apply_fsdp2(load_causal_lm(model_path, dtype, self.device)).eval()
-            self.ref.requires_grad_(False)
+            self.ref = build("reference")  # eval mode, no grads, stored in the compute dtype
         self.critic = None
         opt_steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
         if self.alg.advantage == "gae":
-            self.critic = apply_fsdp2(ValueModel(model_path, dtype, self.device))
+            self.critic = build("critic")
             self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
         self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
         self.sft_opt = None
@@ -128,16 +186,20 @@ class TrainerRank:
         if mine is None:
             mine = shard_indices(lengths, self.world)[self.rank]
         mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
-        n = torch.tensor([len(mbs)])
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
 
     def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
-        """Collate micro-batch `idx`; an empty one is a 2-token dummy, loss mask 0 (keeps FSDP in step)."""
+        """Collate micro-batch `idx` onto the rank's device; an empty one is a 2-token dummy, loss mask 0 (keeps
+        FSDP in step)."""
         if not idx:
-            return collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
-        toks = [samples[i].token_ids for i in idx]
-        return collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
+            batch = collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
+        else:
+            toks = [samples[i].token_ids for i in idx]
+            batch = collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
+        batch = to_device(batch, self.device)
+        _check_device(_compute_tensors(batch), self.device, "collated micro-batch")
+        return batch
 
     @torch.no_grad()
     def _logprob_pass(
@@ -212,9 +274,7 @@ class TrainerRank:
             local = float(sum(counts))
         else:
             local = float(sum(1 for c in counts if c))
-        total = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(total)
-        return float(total)
+        return float(_host_all_reduce(torch.tensor([local], dtype=torch.float64)))
 
     def _mini_batches(self, mine: list[int], batch_size: int) -> list[list[int]]:
         """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step
@@ -232,6 +292,8 @@ class TrainerRank:
         `mini_batches` optimizer steps. The proximal policy stays the one from before the first optimizer
         step, so clipping bounds how far all of them together move it (the trust region)."""
         t0 = time.perf_counter()
+        if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
+            self.sft_opt = self.sft_sched = None
         rl = self._prepare(samples)
         sums, grad_norms, lrs = self._optimize(rl)
         self.version += 1
@@ -320,13 +382,14 @@ class TrainerRank:
             out["train/value_loss"] = m["value_loss"] / n_opt
         return out
 
-    def _rl_micro_step(self, batch: dict, denom: float) -> dict[str, float]:
+    def _rl_micro_step(self, batch: dict, denom: float) -> dict[str, torch.Tensor]:
         """Forward and backward of one micro-batch (loss scaled for FSDP's rank average); its named sums."""
         alg = self.alg
         logp, ent = forward_logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
         mask, seq = batch["loss_mask"], batch["seq_ids"]
         # episode_mean weights come precomputed per token (they depend on the whole batch's episodes)
         w = mask * batch["token_weight"] if "token_weight" in batch else losses.token_weights(mask, seq, alg.loss_agg)
+        _check_device([logp, ent, w, *_compute_tensors(batch)], self.device, "loss inputs")
         clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
         if alg.loss == "decoupled_ppo":
             pg, st = losses.decoupled_ppo_loss(
@@ -348,7 +411,8 @@ class TrainerRank:
             v = forward_values(self.critic, batch)
             sums["value_loss"] = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
             (sums["value_loss"] * self.world).backward()
-        return {k: float(v.detach()) for k, v in sums.items()}
+        _check_device(sums.values(), self.device, "loss outputs")
+        return {k: v.detach() for k, v in sums.items()}  # on the device: RankSums copies them to the host once
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
@@ -368,10 +432,11 @@ class TrainerRank:
             batch = self._batch(samples, idx, fields)
             logp, _ = forward_logprobs(self.model, batch)
             w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
+            _check_device([logp, w, *_compute_tensors(batch)], self.device, "loss inputs")
             loss = losses.sft_loss(logp, w, denom)
             (loss * self.world).backward()
             correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
-            sums.add({"loss": float(loss.detach()), "correct": float(correct)})
+            sums.add({"loss": loss.detach(), "correct": correct})
         norm = clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip)
         lr = self.sft_opt.param_groups[0]["lr"]
         self.sft_opt.step()
@@ -455,7 +520,7 @@ class TrainerRank:
             "sched": self.sched.state_dict(),
             "sft_sched": self.sft_sched.state_dict() if self.sft_opt is not None else None,
             "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
-            "rng": torch.get_rng_state(),
+            "rng": rng_state(self.plat.device_module(), self.device),
             "version": self.version,
             "optimizer_steps": self.optimizer_steps,
         }
@@ -479,7 +544,7 @@ class TrainerRank:
             self.sft_sched.load_state_dict(extra["sft_sched"])
         if extra.get("critic_sched") is not None and self.critic is not None:
             self.critic_sched.load_state_dict(extra["critic_sched"])
-        torch.set_rng_state(extra["rng"])
+        set_rng_state(extra["rng"], self.plat.device_module(), self.device)
         self.version, self.optimizer_steps = int(extra["version"]), int(extra["optimizer_steps"])
         return self.version
 
