@@ -209,7 +209,9 @@ def test_packed_mask_is_dropped_only_for_flash_attention(tiny_model_path) -> Non
     assert M.model_mask(model, packed["attention_mask"]) is packed["attention_mask"]
     model.config._attn_implementation = "flash_attention_2"
     assert M.model_mask(model, packed["attention_mask"]) is None
-    assert M.model_mask(model, pad["attention_mask"]) is pad["attention_mask"]
+    assert M.model_mask(model, pad["attention_mask"]) is pad["attention_mask"]  # padding over several rows
+    lean = collate([[5, 6, 7], [8, 9]], {}, "packed", 0, block_mask=False)  # what the worker collates for flash
+    assert lean["attention_mask"].shape == (1, 5) and M.model_mask(model, lean["attention_mask"]) is None
     assert S.attn_implementation(CPU, torch.bfloat16) == "sdpa"
     assert S.attn_implementation(platform_for("cuda", 1), torch.float32) == "sdpa"
 

@@ -54,10 +54,13 @@ def collate(
     fields: dict[str, Sequence[Sequence[float]]],
     layout: str,
     pad_id: int,
+    block_mask: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Tensors for one micro-batch: input_ids, position_ids, attention_mask, seq_ids, and every per-token
     field (loss_mask, advantages, ...) aligned with input_ids. The first token of every sequence gets
     loss_mask 0: nothing predicts it. `rows` / `starts` record where sequence k sits, to scatter results back.
+    A packed row's attention mask is the [1, 1, T, T] block-diagonal one, or with block_mask=False (flash
+    attention reads the boundaries from the position ids) a [1, T] row of ones.
     """
     n = len(token_ids)
     if layout == "pad":
@@ -88,7 +91,7 @@ def collate(
     if "loss_mask" in out:
         for k in range(n):
             out["loss_mask"][rows[k], starts[k]] = 0.0
-    if layout == "pad":
+    if layout == "pad" or not block_mask:
         attn = (seq >= 0).long()
     else:
         s = seq[0]

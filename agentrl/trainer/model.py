@@ -114,13 +114,20 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
+def uses_flash_attention(model: nn.Module) -> bool:
+    config = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
+    return (getattr(config, "_attn_implementation", None) or "").startswith("flash")
+
+
 def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
     """The attention mask to hand the model. A packed row's [1, 1, T, T] block-diagonal mask is only the SDPA
     fallback: flash-attention models get None and HF runs variable-length attention, the sequence boundaries
-    read from where the position ids restart (no T x T tensor). Padded [rows, T] masks pass unchanged."""
-    config = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
-    impl = getattr(config, "_attn_implementation", None) or ""
-    return None if mask.dim() == 4 and impl.startswith("flash") else mask
+    read from where the position ids restart. For them the worker collates packed rows without the block mask
+    (`collate(block_mask=False)`: a [1, T] mask, no T x T tensor at all), and a single row has no padding, so
+    both become None. Padded [rows, T] masks of several rows pass unchanged."""
+    if not uses_flash_attention(model):
+        return mask
+    return None if mask.dim() == 4 or mask.shape[0] == 1 else mask
 
 
 def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from agentrl.trainer.checkpoint import (
     set_rng_state,
     write_safetensors,
 )
-from agentrl.trainer.model import forward_logprobs, forward_values
+from agentrl.trainer.model import forward_logprobs, forward_values, uses_flash_attention
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.sharding import build_sharded
 from agentrl.types import Sample
@@ -192,11 +192,12 @@ class TrainerRank:
     def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
         """Collate micro-batch `idx` onto the rank's device; an empty one is a 2-token dummy, loss mask 0 (keeps
         FSDP in step)."""
+        layout, block_mask = self.tc.packing, not uses_flash_attention(self.model)
         if not idx:
-            batch = collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, self.tc.packing, self.pad_id)
+            batch = collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, layout, self.pad_id, block_mask)
         else:
             toks = [samples[i].token_ids for i in idx]
-            batch = collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, self.tc.packing, self.pad_id)
+            batch = collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, layout, self.pad_id, block_mask)
         batch = to_device(batch, self.device)
         _check_device(_compute_tensors(batch), self.device, "collated micro-batch")
         return batch
