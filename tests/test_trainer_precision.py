@@ -214,6 +214,7 @@ def test_packed_mask_is_dropped_only_for_flash_attention(tiny_model_path) -> Non
     assert lean["attention_mask"].shape == (1, 5) and M.model_mask(model, lean["attention_mask"]) is None
     assert S.attn_implementation(CPU, torch.bfloat16) == "sdpa"
     assert S.attn_implementation(platform_for("cuda", 1), torch.float32) == "sdpa"
+    assert S.attn_implementation(platform_for("npu", 1), torch.bfloat16) == "flash_attention_2"  # simulated NPU
 
 
 def test_fused_adamw_only_on_cuda() -> None:

@@ -36,8 +36,12 @@ def resolve_checkpointing(tc: TrainerConfig, platform: Platform) -> bool:
 
 
 def attn_implementation(platform: Platform, compute: torch.dtype) -> str:
-    """flash_attention_2 on CUDA in bf16 when flash-attn is installed (packed micro-batches then run as
-    variable-length attention from their position ids, see `model_mask`); SDPA with the dense mask otherwise."""
+    """flash_attention_2 in bf16 on CUDA when flash-attn is installed, and on Ascend NPU, where transformers
+    routes it to torch_npu's fused attention (`integrations.npu_flash_attention`, no flash-attn package): packed
+    micro-batches then run as variable-length attention from their position ids (see `model_mask`). SDPA with
+    the dense mask otherwise."""
+    if platform.kind == "npu" and compute == torch.bfloat16:
+        return "flash_attention_2"
     if platform.kind == "cuda" and compute == torch.bfloat16:
         from transformers.utils import is_flash_attn_2_available
 
