@@ -157,3 +157,19 @@ async def test_sampled_logprobs_after_reload_match_transformers(fleet, tiny_mode
     expected = logp.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0].tolist()
     assert max(expected) > -3.0, "the scaled weights should give a peaked distribution"
     assert max(abs(a - b) for a, b in zip(out.logprobs, expected, strict=True)) < 1e-3, (out.logprobs, expected)
+
+
+def test_engine_kwargs_override_derived_settings_and_graphs_follow_the_platform(tiny_model_path, monkeypatch):
+    """A key the engine also derives (dtype, enforce_eager, max_model_len) is the user's to set, not a TypeError;
+    CUDA graphs are on by default on accelerators (simulated CUDA platform: the engine is not started)."""
+    from agentrl.platform import platform_for
+    from agentrl.rollout import vllm_engine
+
+    user = {"dtype": "bfloat16", "enforce_eager": False, "max_model_len": 512, "block_size": 16}
+    args = vllm_engine.VLLMEngine(tiny_model_path, engine_kwargs=user)._engine_args
+    assert {k: args[k] for k in user} == user and args["model"] == tiny_model_path
+    assert vllm_engine.VLLMEngine(tiny_model_path)._engine_args["enforce_eager"] is True  # CPU: nothing to capture
+    monkeypatch.setattr(vllm_engine, "detect", lambda: platform_for("cuda", 1))
+    monkeypatch.setattr(platform_for("cuda", 1).__class__, "vllm_env", lambda self, gib=1: {})
+    args = vllm_engine.VLLMEngine(tiny_model_path)._engine_args
+    assert args["enforce_eager"] is False and args["dtype"] == "bfloat16" and "block_size" not in args

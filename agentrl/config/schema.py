@@ -146,7 +146,7 @@ class RolloutConfig(Section):
     num_engines: PositiveInt = 1
     url: str | None = Field(None, description="base URL of a running server (backend=remote)")
     max_model_len: PositiveInt = 4096
-    enforce_eager: bool = True
+    enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA/NPU graphs on accelerators")
     kv_cache_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")

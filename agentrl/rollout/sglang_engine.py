@@ -24,7 +24,7 @@ class SGLangEngine(GatedEngine):
         *,
         max_model_len: int = 4096,
         kv_cache_gib: int = 1,
-        enforce_eager: bool = False,
+        enforce_eager: bool | None = None,
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.85,
@@ -41,7 +41,7 @@ class SGLangEngine(GatedEngine):
             "context_length": max_model_len,
             "random_seed": seed,
             "mem_fraction_static": gpu_memory_utilization,
-            "disable_cuda_graph": enforce_eager,
+            "disable_cuda_graph": bool(enforce_eager),
             "log_level": "error",
             **(engine_kwargs or {}),
         }

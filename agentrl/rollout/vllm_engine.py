@@ -25,7 +25,7 @@ class VLLMEngine(GatedEngine):
         *,
         max_model_len: int = 4096,
         kv_cache_gib: int = 1,
-        enforce_eager: bool = True,
+        enforce_eager: bool | None = None,
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.85,
@@ -37,11 +37,12 @@ class VLLMEngine(GatedEngine):
         for key, value in self.platform.vllm_env(kv_cache_gib).items():
             os.environ.setdefault(key, value)
         self.model_path = model_path
-        self._engine_args = dict(
+        derived = dict(
             model=model_path,
             skip_tokenizer_init=True,
             dtype=("float32" if self.platform.kind == "cpu" else "bfloat16") if dtype == "auto" else dtype,
-            enforce_eager=enforce_eager,
+            # graphs pay off on accelerators; on CPU there are none to capture
+            enforce_eager=self.platform.kind == "cpu" if enforce_eager is None else enforce_eager,
             max_model_len=max_model_len,
             seed=seed,
             enable_prefix_caching=True,
@@ -53,8 +54,8 @@ class VLLMEngine(GatedEngine):
                 if self.platform.kind == "cpu"
                 else {"gpu_memory_utilization": gpu_memory_utilization}
             ),
-            **(engine_kwargs or {}),
         )
+        self._engine_args = {**derived, **(engine_kwargs or {})}  # the user's engine_kwargs win over derived ones
         self._eos = eos_token_ids(model_path)
         self._llm = None
         self._start_seconds = 0.0
