@@ -336,7 +336,7 @@ def train(cfg: Config, resume: str | None = None) -> int:
     """Run (or resume) a training run; prints held-out success before and after RL. A stop signal or a stalled
     rollout saves a checkpoint and ends the run with one line saying how to resume it."""
     configure_cpu_threads(1)
-    run_dir = Path(resume or cfg.run_dir)
+    run_dir = Path(resume or cfg.run_dir).absolute()  # actors get paths from here, whatever their working dir
     new_dir = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))

@@ -21,13 +21,13 @@ CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 STEPS = 8
 
 
-def _train(spawn, run_dir: Path, *extra: str) -> subprocess.Popen:
+def _train(spawn, run_dir: Path, *extra: str, cwd: Path | None = None) -> subprocess.Popen:
     args = [sys.executable, "-m", "agentrl", "train", str(CONFIG), f"logging.run_dir={run_dir}",
             f"trainer.total_steps={STEPS}", "checkpoint.every_steps=1", "validation.every_steps=0",
             "trainer.sft.enabled=false", "async.max_staleness=1", "async.partial_rollout=true",
             "rollout.stop_after_failed_groups=4", *extra]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return spawn(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return spawn(args, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _wait(proc: subprocess.Popen, ready, what: str, timeout: float = 300) -> None:
@@ -109,8 +109,10 @@ def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_pa
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_one_line(tmp_path, spawn):
+    """Also: a relative run dir is made absolute by the driver (the resume line names the absolute path)."""
     run_dir = tmp_path / "run"
-    proc = _train(spawn, run_dir, "checkpoint.every_steps=0", "trainer.total_steps=50")
+    proc = _train(spawn, run_dir, "checkpoint.every_steps=0", "trainer.total_steps=50", "logging.run_dir=run",
+                  cwd=tmp_path)  # fmt: skip
     _wait(proc, lambda: _trained_steps(run_dir) >= 1, "trained step")
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
