@@ -266,3 +266,44 @@ async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fl
     finally:
         ray_session.kill(router)  # the restarted engine is the router's own actor and goes with it
         ray_session.kill(victim)
+
+
+class _Call:
+    """`handle.method.remote(...)` for an in-process fake handle (no Ray): the coroutine itself."""
+
+    def __init__(self, fn) -> None:
+        self.remote = fn
+
+
+class DyingWhileCheckedHandle:
+    """Fake engine handle: its health reply (OK) is in flight while a request finds its core dead."""
+
+    def __init__(self) -> None:
+        self.reply = asyncio.Event()
+        self.health = _Call(self._health)
+        self.generate = _Call(self._generate)
+
+    async def _health(self) -> dict:
+        await self.reply.wait()
+        return {"ok": True, "dead": False}
+
+    async def _generate(self, *args) -> GenOutput:
+        raise EngineDeadError("fake engine core died")
+
+
+async def test_an_ok_health_reply_sent_before_a_death_does_not_revive_the_engine() -> None:
+    """Race seen under load: a health check in flight when the engine died came back OK afterwards and put the
+    dead engine back into rotation, so the next request went to it."""
+    handle = DyingWhileCheckedHandle()
+    router = Router([handle], health_interval_s=3600, no_engine_wait_s=0.1)
+    check = asyncio.ensure_future(router._check(router._slots[0]))  # its reply is in flight
+    with pytest.raises(RetryableEngineError, match="engine 0 died"):
+        await router.generate("ep", PROMPT, QUICK, "r0")
+    handle.reply.set()  # the stale OK arrives
+    await check
+    await router.check_health()
+    assert await router.alive() == [False]
+    assert (await router.fleet_status())["deaths"] == 1
+    for task in [router._health_task, *router._tasks]:
+        if task is not None:
+            task.cancel()

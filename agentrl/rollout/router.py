@@ -44,6 +44,7 @@ class _Slot:
     pending: set[asyncio.Future] = field(default_factory=set)
     failures: int = 0  # consecutive failed health checks
     gone: bool = False  # declared dead for good: restarted, given up, or rejoins only if it answers again
+    dead: bool = False  # its actor or core died: it never answers again, whatever a late health reply said
     restarting: bool = False
 
 
@@ -188,7 +189,7 @@ class Router:
             return await getattr(slot.handle, method).remote(*args)
         except Exception as err:
             if _is_actor_death(err) or _is_core_death(err):
-                self._on_death(slot, _short(err), gone=True)
+                self._on_death(slot, _short(err), gone=True, dead=True)
                 raise RetryableEngineError(f"engine {slot.index} died") from err
             if isinstance(err, EngineError):
                 raise
@@ -223,9 +224,10 @@ class Router:
             if index == slot.index:
                 del self._sticky[episode]
 
-    def _on_death(self, slot: _Slot, why: str, *, gone: bool) -> None:
-        """Count and drain a live engine that failed. `gone`: it will never serve again (actor or core dead,
+    def _on_death(self, slot: _Slot, why: str, *, gone: bool, dead: bool = False) -> None:
+        """Count and drain a live engine that failed. `gone`: it will never serve again (actor or core `dead`,
         or stuck), so restart it if the budget allows; otherwise the health loop lets it rejoin when it answers."""
+        slot.dead = slot.dead or dead
         if self._slots[slot.index] is not slot or slot.restarting:
             return  # a late error from an engine already replaced or being restarted
         was_alive = slot.alive
@@ -321,7 +323,7 @@ class Router:
         except Exception as err:
             slot.failures += 1
             if _is_actor_death(err) or _is_core_death(err):
-                self._on_death(slot, _short(err), gone=True)
+                self._on_death(slot, _short(err), gone=True, dead=True)
             else:
                 why = "health check timed out" if isinstance(err, TimeoutError) else _short(err)
                 self._on_death(slot, why, gone=False)
@@ -329,13 +331,13 @@ class Router:
                     self._on_death(slot, f"stuck: {slot.failures} failed health checks", gone=True)
             return
         if status.get("dead"):
-            self._on_death(slot, "EngineDeadError: its health check reports the core dead", gone=True)
+            self._on_death(slot, "EngineDeadError: its health check reports the core dead", gone=True, dead=True)
         elif not status.get("ok", False):
             slot.failures += 1
             self._on_death(slot, "health not ok", gone=False)
         else:
             slot.failures = 0
-            if not slot.alive:
+            if not slot.alive and not slot.dead:  # an OK sent just before the engine died must not revive it
                 await self._rejoin(slot)
 
     async def _rejoin(self, slot: _Slot) -> None:
@@ -344,7 +346,7 @@ class Router:
         except Exception as err:
             log.warning("rollout engine %d could not rejoin: %s", slot.index, _short(err))
             return
-        if self._slots[slot.index] is slot and not slot.alive:
+        if self._slots[slot.index] is slot and not slot.alive and not slot.dead:
             slot.gone = False
             self._set_alive(slot, True)
             self._event(f"rollout engine {slot.index} rejoined; {self._live_line()}")
