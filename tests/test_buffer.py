@@ -191,7 +191,8 @@ async def test_every_episode_failing_in_consecutive_groups_stops_with_the_first_
 async def test_stall_wakes_a_waiting_trainer() -> None:
     buf = SampleBuffer(batch_groups=2, batch_episodes=4, max_staleness=0)
     waiting = asyncio.ensure_future(buf.get_batch())
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one turn of the loop: the trainer is now waiting on the buffer
+    assert not waiting.done()
     await buf.stall("no healthy rollout engine for 61 s")
     with pytest.raises(RolloutStalled, match="no healthy rollout engine"):
         await asyncio.wait_for(waiting, 1)

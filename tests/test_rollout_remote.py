@@ -9,7 +9,6 @@ import json
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import EngineError, RetryableEngineError
 from agentrl.rollout.remote_engine import RejectedError, RemoteEngine
+from tests.servers import free_port
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -191,16 +191,10 @@ async def test_http_errors_map_to_engine_errors():
         await engine.generate([2], SamplingConfig(max_tokens=1), "e2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def vllm_server(tiny_model_path, tmp_path_factory):
     """`vllm serve` on CPU with the token endpoint (--enable-scale-out) and dev endpoints (weight reload)."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path_factory.mktemp("vllm_serve") / "server.log"
     env = {
         **os.environ,
@@ -276,7 +270,7 @@ async def test_real_vllm_server_abort_and_weight_reload(vllm_server, tiny_model_
 
 
 async def test_dead_server_is_retryable_quickly():
-    engine = RemoteEngine(f"http://127.0.0.1:{_free_port()}", flavor="vllm", start_timeout_s=0.5)
+    engine = RemoteEngine(f"http://127.0.0.1:{free_port()}", flavor="vllm", start_timeout_s=0.5)
     t0 = time.monotonic()
     with pytest.raises(RetryableEngineError):
         await engine.generate(PROMPT, SamplingConfig(max_tokens=4), "dead")

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -16,6 +14,7 @@ from agentrl.tools import ToolClient
 from agentrl.tools.calculator import calculator
 from agentrl.tools.serve import ServeError, ServerThread, check_bind, is_loopback, load_tools_file
 from agentrl.tools.server import create_app
+from tests.servers import free_port, wait_until_healthy
 
 TOKEN = "auth-test-token-abcdef"
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,14 +117,8 @@ def test_cli_usage_errors_are_one_line():
     assert r.returncode == 2 and "/no/such/tools.yaml" in r.stderr and "Traceback" not in r.stderr
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serves_with_token_and_logs_json(spawn):
-    port = _free_port()
+    port = free_port()
     proc = spawn(
         [sys.executable, "-m", "agentrl", "serve-tools", str(EXAMPLE), "--port", str(port), "--token-env", "TT_TOKEN"],
         stdout=subprocess.DEVNULL,
@@ -136,15 +129,7 @@ def test_cli_serves_with_token_and_logs_json(spawn):
     )
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.2)
+        wait_until_healthy(proc, base)
         assert httpx.get(f"{base}/tools").status_code == 401
         r = httpx.post(
             f"{base}/tools/calculator/call",

@@ -22,6 +22,7 @@ import pytest
 
 from agentrl.tools import pyexec
 from agentrl.tools.pyexec import make_python_tool
+from tests.servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 sandbox = make_python_tool(timeout_s=3.0, memory_mb=256, max_output_bytes=20_000)
@@ -243,17 +244,11 @@ def test_a_server_that_could_only_refuse_python_calls_does_not_start(tmp_path, m
     assert [t.name for t in load_tools_file(tools_file)] == ["python"]  # said unsafe: serves without a jail
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_token_stays_out_of_the_sandbox(tmp_path, spawn):
     token = "tok-" + uuid.uuid4().hex
     tools_file = tmp_path / "tools.yaml"
     tools_file.write_text("sets:\n  m:\n    python: {python: agentrl.tools.pyexec:python}\n")
-    port = _free_port()
+    port = free_port()
     proc = spawn(
         [sys.executable, "-m", "agentrl", "serve-tools", str(tools_file), "--port", str(port), "--token-env", "TT_TOK"],
         stdout=subprocess.DEVNULL,
@@ -262,15 +257,7 @@ def test_server_token_stays_out_of_the_sandbox(tmp_path, spawn):
         cwd=ROOT,
     )
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.2)
+    wait_until_healthy(proc, base)
     steal = READ_ENVIRONS.format(var="TT_TOK") + (  # and, should a token turn up, try it on the server
         "import re, urllib.request\n"
         "for found in set(re.findall(r'tok-[0-9a-f]{32}', str(seen))):\n"

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from agentrl.trainer import checkpoint as ckpt
 from agentrl.trainer import worker as W
 from agentrl.trainer.batching import LAYOUT_KEYS
 from agentrl.types import Sample
+from tests.servers import free_port
 
 # ---- (a) the process group's backend string --------------------------------------------------------------
 
@@ -44,16 +44,10 @@ def test_process_group_backend_has_a_cpu_backend_simulated(kind, expected, devic
     assert p.dist_backend == device_map.get(kind, "gloo")  # the weight-sync group still gets the bare name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_device_backend_string_inits_a_real_gloo_group() -> None:
     """A "device:backend" string (the CPU half of the accelerator strings) makes a working group here."""
     assert not dist.is_initialized()
-    dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("cpu:gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         assert dist.get_backend_config() == "cpu:gloo"
         t = torch.tensor([2.0], dtype=torch.float64)
@@ -166,7 +160,7 @@ def cpu_rank(tiny_model_path):
     cfg.trainer.micro_batch_tokens = 64  # several micro-batches: exercises the plan and the sums
     cfg.trainer.algorithm.loss = "decoupled_ppo"
     rank = W.TrainerRank(cfg.model_dump(by_alias=True), tiny_model_path, 0, 1)
-    rank.setup("127.0.0.1", _free_port())
+    rank.setup("127.0.0.1", free_port())
     yield rank
     rank.shutdown()
 
