@@ -23,9 +23,16 @@ from agentrl.trainer import losses as L
 from agentrl.trainer import model as M
 from agentrl.trainer import sharding as S
 from agentrl.trainer.batching import collate
-from tests.servers import free_port
 
 CPU_DEV = torch.device("cpu")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +41,7 @@ def pg():
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
 
@@ -244,7 +251,7 @@ def _memory_step(model_dir: str, checkpointing: bool) -> dict:
     from agentrl.trainer.optim import build_optimizer
 
     configure_cpu_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     tc = TrainerConfig(activation_checkpointing=checkpointing)
     model = S.build_sharded(model_dir, CPU_DEV, tc, CPU, "policy")
     opt, _ = build_optimizer(model.parameters(), OptimConfig(), 1)
@@ -333,7 +340,7 @@ def _two_rank_build(model_dir: str) -> dict:
 
 def test_two_ranks_receive_their_shards_from_rank0(tiny_model_path) -> None:
     """Only rank 0 reads the checkpoint; the shards both ranks end up with form the checkpoint exactly."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "two_ranks", tiny_model_path],
