@@ -160,6 +160,19 @@ class RolloutConfig(Section):
     stop_after_failed_groups: PositiveInt = Field(
         8, description="stop the run when every episode of this many consecutive groups failed"
     )
+    tensor_parallel_size: PositiveInt = Field(1, description="devices per engine, placed on one node")
+    weight_sync: Literal["collective", "disk"] = Field(
+        "collective",
+        description="collective: trainer rank 0 broadcasts bucketed weights to the engines (gloo/NCCL/HCCL); "
+        "disk: engines reload safetensors from weights_dir",
+    )
+    weights_dir: str | None = Field(
+        None, description="weight_sync=disk: a folder every node sees (default: /dev/shm, one node only)"
+    )
+    weight_sync_timeout_s: PositiveFloat = Field(600.0, description="longest one weight broadcast may take")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="extra Ray resources each engine asks for, e.g. to pin engines to nodes"
+    )
 
     def sampling_for(self, split: str) -> SamplingConfig:
         """The sampling of a split's episodes: validation applies `val_sampling` on top of `sampling`."""
@@ -235,6 +248,9 @@ class TrainerConfig(Section):
         None, description="recompute each decoder layer in backward; None = on for GPU/NPU, off on CPU"
     )
     cpu_offload: bool = Field(False, description="keep parameters, gradients and optimizer state in host memory")
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict, description="extra Ray resources each trainer rank asks for, e.g. to pin it to a node"
+    )
     optim: OptimConfig = Field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
@@ -271,6 +287,9 @@ class Config(Section):
     name: str = "agentrl"
     seed: int = 0
     ray_address: str | None = Field(None, description="None = start local Ray; 'auto' or host:port = join a cluster")
+    platform: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="auto: from the Ray cluster's resources (NPU, else GPU, else CPU), not the driver's node"
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     envs: EnvsConfig = Field(default_factory=EnvsConfig)
     tools: ToolsConfig = Field(default_factory=ToolsConfig)

@@ -28,6 +28,7 @@ class SGLangEngine(GatedEngine):
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
         engine_kwargs: dict[str, Any] | None = None,
         version: int = 0,
     ):
@@ -43,6 +44,7 @@ class SGLangEngine(GatedEngine):
             "mem_fraction_static": gpu_memory_utilization,
             "disable_cuda_graph": bool(enforce_eager),
             "log_level": "error",
+            "tp_size": tensor_parallel_size,
             **(engine_kwargs or {}),
         }
         self._eos = eos_token_ids(model_path)

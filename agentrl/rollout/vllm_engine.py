@@ -29,6 +29,7 @@ class VLLMEngine(GatedEngine):
         dtype: str = "auto",
         seed: int = 0,
         gpu_memory_utilization: float = 0.85,
+        tensor_parallel_size: int = 1,
         engine_kwargs: dict[str, Any] | None = None,
         version: int = 0,
     ):
@@ -44,6 +45,7 @@ class VLLMEngine(GatedEngine):
             # graphs pay off on accelerators; on CPU there are none to capture
             enforce_eager=self.platform.kind == "cpu" if enforce_eager is None else enforce_eager,
             max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             enable_prefix_caching=True,
             worker_extension_cls="agentrl.rollout.vllm_worker.AgentrlWorkerExtension",
