@@ -13,7 +13,7 @@ the number of trained batches (the warm-start weights are version 0), the unit m
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import shutil
 import signal
 import sys
@@ -31,8 +31,8 @@ from agentrl.config import Config, ConfigError, dump_yaml
 from agentrl.envmanager.manager import FirstOfKind, evaluate, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.tiny import resolve_model_path
-from agentrl.platform import configure_cpu_threads
-from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.platform import cluster_platform, configure_cpu_threads
+from agentrl.rollout.fleet import create_engines, start_created, start_router
 from agentrl.rollout.router import fleet_metrics
 from agentrl.run_state import (
     RunState,
@@ -47,6 +47,7 @@ from agentrl.startup import check_before_start, init_ray
 from agentrl.step_metrics import batch_metrics
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Group
+from agentrl.weights import WeightSync
 
 
 @contextmanager
@@ -62,10 +63,14 @@ class Pipeline:
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
-        check_before_start(cfg, self.model_path)
-        self.trainer = TrainerGroup(cfg, self.model_path)
-        self.engines = start_engines(cfg.rollout, self.model_path, seed=cfg.seed)
+        platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
+        check_before_start(cfg, self.model_path, platform)
+        self.trainer = TrainerGroup(cfg, self.model_path, platform=platform)
+        self.engines = create_engines(cfg.rollout, self.model_path, seed=cfg.seed, platform=platform)
         self.router = start_router(self.engines, cfg.rollout, model_path=self.model_path, seed=cfg.seed)
+        self.weights = WeightSync(cfg, self.trainer, self.router, platform)
+        self.weights.check(self.engines)  # weights can reach every engine, or one line before any loads a model
+        start_created(self.engines)
         self.reward_pool = self._reward_pool()
         self.managers = start_managers(cfg, self.model_path, self.router, self.reward_pool)
         train = cfg.envs.train
@@ -95,7 +100,7 @@ class Pipeline:
             cfg.name,
             cfg.model_dump(mode="json", by_alias=True),
         )
-        self.weights_root = weights_dir(run_dir, cfg.name)
+        self.trainer_lock = asyncio.Lock()  # the loop's trainer calls vs. a weight sync for a restarted engine
 
     def _reward_pool(self) -> Any:
         if not self.cfg.reward.functions:
@@ -128,32 +133,27 @@ class Pipeline:
         self.tasks = {t for t in self.tasks if not t.done()}
 
     async def watch_engines(self, every_s: float = 2.0) -> None:
-        """Print engine deaths and restarts as they happen; stop the run when no engine has been healthy for
-        rollout.no_engine_timeout_s and none is being restarted (the trainer's wait for a batch raises
-        RolloutStalled; a restart that never finishes times out in the router)."""
+        """Print engine deaths and restarts as they happen; give an engine restarted between collective syncs
+        the current weights at once (unless a step, whose own sync includes it, is under way); stop the run when
+        no engine has been healthy for rollout.no_engine_timeout_s and none is being restarted (the trainer's
+        wait for a batch raises RolloutStalled; a restart that never finishes times out in the router)."""
         timeout = self.cfg.rollout.no_engine_timeout_s
         while True:
             status = await self.router.fleet_status.remote()
             for line in status["events"]:
                 print(f"agentrl: {line}", file=sys.stderr, flush=True)
             self.fleet = fleet_metrics(status)
-            if status["no_live_s"] > timeout and not status["restarting"]:
+            if status["awaiting_weights"] and not self.trainer_lock.locked():
+                async with self.trainer_lock:
+                    await self.weights.sync(self.trainer.version)
+                continue
+            if status["no_live_s"] > timeout and not (status["restarting"] or status["awaiting_weights"]):
                 await self.buffer.stall(
                     f"no healthy rollout engine for {status['no_live_s']:.0f} s (rollout.no_engine_timeout_s="
                     f"{timeout:g}); {status['deaths']} engine deaths, {status['restarts']} restarts"
                 )
                 return
             await asyncio.sleep(every_s)
-
-    # ---- weights ---------------------------------------------------------------------------------------------
-    async def sync_weights(self, version: int) -> None:
-        path = str(self.weights_root / f"v{version}")
-        await asyncio.to_thread(self.trainer.export_weights, path)
-        drain = "abort" if self.cfg.async_.partial_rollout else "wait"
-        await self.router.update_weights.remote(path, version, drain)
-        for old in self.weights_root.glob("v*"):
-            if old.name != f"v{version}":
-                shutil.rmtree(old, ignore_errors=True)
 
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
@@ -187,12 +187,12 @@ class Pipeline:
             state = self.state = snapshot.state
             print(f"agentrl: {snapshot.describe()}", flush=True)
             self.trained_log.forget_after(state.step)
-            await self.sync_weights(state.step)
+            await self.weights.sync(state.step)
         else:
             self.trained_log.forget_after(0)  # a run killed before its first checkpoint starts again from scratch
             if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
                 self.sink.log(0, await self.warm_start())
-                await self.sync_weights(0)
+                await self.weights.sync(0)
             if self._validates():
                 state.first_val = await self.validate()
                 self.sink.log(state.step, state.first_val)
@@ -228,14 +228,15 @@ class Pipeline:
             return None
         samples = [s for g in groups for s in g.samples]
         metrics.update(batch_metrics(groups, samples, state.step))
-        with timed(metrics, "timing/train"):
-            metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
-        state.step += 1
-        state.trained += len(groups)
-        self.trained_log.record(state.step, groups)
-        metrics["train/version"] = float(self.trainer.version)
-        with timed(metrics, "timing/weight_sync"):
-            await self.sync_weights(state.step)
+        async with self.trainer_lock:
+            with timed(metrics, "timing/train"):
+                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
+            state.step += 1
+            state.trained += len(groups)
+            self.trained_log.record(state.step, groups)
+            metrics["train/version"] = float(self.trainer.version)
+            with timed(metrics, "timing/weight_sync"):
+                await self.weights.sync(state.step)
         await self.buffer.set_version(state.step)
         if self._validates(state.step):
             self.last_val = await self.validate()
@@ -299,37 +300,19 @@ class Pipeline:
 
     async def save(self) -> Path:
         snapshot = Snapshot.take(self.state, self.buffer)  # one instant: taken before anything is awaited
-        return await asyncio.to_thread(
-            save_run_state, self.run_dir, snapshot, self.trainer, self.cfg.checkpoint.keep_last
-        )
+        async with self.trainer_lock:
+            return await asyncio.to_thread(
+                save_run_state, self.run_dir, snapshot, self.trainer, self.cfg.checkpoint.keep_last
+            )
 
     def close(self) -> None:
         self.sink.close()
+        with contextlib.suppress(Exception):  # the writer's snapshots; a dead trainer took them with it
+            self.weights.close()
         self.trainer.shutdown()
         for handle in [*self.managers, self.router, *self.engines]:
             ray.kill(handle)
-        shutil.rmtree(self.weights_root, ignore_errors=True)
-
-
-def weights_dir(run_dir: Path, name: str) -> Path:
-    """Where exported weights go for the engines to load: shared memory when there is some, one folder per
-    driver process (two runs with one name do not collide), and folders of dead drivers (kill -9) removed."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else run_dir
-    for old in base.glob("agentrl-weights-*"):
-        pid = old.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    return base / f"agentrl-weights-{name}-{os.getpid()}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        self.engines.remove_placement()
 
 
 def train(cfg: Config, resume: str | None = None) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Literal
 
@@ -72,6 +73,11 @@ class Platform:
             return {"num_gpus": num_devices, "num_cpus": 0}
         return {"resources": {self.ray_resource: num_devices}, "num_cpus": 0}
 
+    def actor_env(self) -> dict[str, str]:
+        """runtime_env env_vars for every actor the driver starts: `detect()` inside the actor then agrees with the
+        driver's choice instead of probing on its own (and a CPU run never grabs a device a node happens to have)."""
+        return {"AGENTRL_PLATFORM": self.kind}
+
     def vllm_env(self, kv_cache_gib: int = 1) -> dict[str, str]:
         """Environment variables for an in-process vLLM engine on this platform."""
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -113,6 +119,38 @@ def platform_for(kind: PlatformKind, device_count: int = 0) -> Platform:
     return CPU
 
 
+def run_platform(choice: str, cluster_resources: Mapping[str, float]) -> Platform:
+    """The platform of the run's actors, from the Ray cluster's resources, never from the driver's own devices (a
+    head or login node often has none). `choice` is `Config.platform`; "auto" is NPU when the cluster has an NPU
+    resource, else CUDA when it has GPU, else CPU. device_count is the cluster's total of that resource."""
+    if choice == "auto":
+        kind = (
+            "npu" if cluster_resources.get("NPU", 0) > 0 else "cuda" if cluster_resources.get("GPU", 0) > 0 else "cpu"
+        )
+    elif choice in ("cpu", "cuda", "npu"):
+        kind = choice
+    else:
+        raise ValueError(f"platform must be auto, cpu, cuda or npu, got {choice!r}")
+    if kind == "cpu":
+        return CPU
+    plat = platform_for(kind)  # type: ignore[arg-type]
+    return replace(plat, device_count=int(cluster_resources.get(plat.ray_resource or "", 0)))
+
+
+def cluster_platform(choice: str = "auto") -> Platform:
+    """`run_platform` against the Ray cluster this process is connected to. With "auto", AGENTRL_PLATFORM in the
+    driver's environment (the documented way to force a choice) wins over the cluster's resources."""
+    import ray
+
+    return run_platform(platform_choice(choice), ray.cluster_resources())
+
+
+def platform_choice(choice: str) -> str:
+    """`Config.platform`, except that AGENTRL_PLATFORM in the driver's environment wins over "auto"."""
+    forced = os.environ.get("AGENTRL_PLATFORM", "").strip().lower()
+    return forced if choice == "auto" and forced else choice
+
+
 @lru_cache(maxsize=1)
 def detect() -> Platform:
     """Detect the platform once per process. AGENTRL_PLATFORM=cpu|cuda|npu forces a choice."""
@@ -152,9 +190,10 @@ def configure_cpu_threads(num_threads: int = 1) -> None:
         pass  # already set once in this process
 
 
-def worker_env() -> dict[str, str]:
-    """Environment for Ray workers (runtime_env env_vars): thread caps on CPU."""
+def worker_env(platform: Platform | None = None) -> dict[str, str]:
+    """Environment for Ray workers (runtime_env env_vars): thread caps on CPU. `platform`: the run's (default: this
+    process's), so that a CPU head node does not cap the threads of ranks bound for GPU nodes."""
     env = {"TOKENIZERS_PARALLELISM": "false"}
-    if detect().kind == "cpu":
+    if (platform or detect()).kind == "cpu":
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
     return env

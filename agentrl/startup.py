@@ -5,28 +5,90 @@ starts."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 
 from agentrl.config import Config, ConfigError, check_model_loads
+from agentrl.platform import Platform, platform_choice, run_platform
 
 
-def check_cluster_devices(cfg: Config) -> None:
-    """The accelerators the run asks Ray for (one per engine and per trainer rank) against what the cluster has:
-    more than it has would leave the actors pending forever, without a word."""
-    import ray
+def _fmt(x: float) -> str:
+    return f"{x:g}"
 
-    from agentrl.platform import detect
 
-    platform = detect()
-    if not platform.is_accelerator:
-        return
-    key = "GPU" if platform.kind == "cuda" else platform.ray_resource
-    engines = 0 if cfg.rollout.backend == "remote" else cfg.rollout.num_engines
-    need, have = engines + cfg.trainer.num_ranks, ray.cluster_resources().get(key, 0)
-    if need > have:
+def _fits(node: Mapping[str, float], need: Mapping[str, float]) -> int:
+    """How many actors asking for `need` one node holds."""
+    return min(int(node.get(k, 0.0) / v + 1e-9) for k, v in need.items()) if need else 1 << 30
+
+
+def check_cluster_resources(
+    cfg: Config,
+    platform: Platform | None = None,
+    cluster: Mapping[str, float] | None = None,
+    nodes: list[Mapping[str, float]] | None = None,
+) -> None:
+    """Everything the run asks Ray for (each engine: tensor_parallel_size devices + rollout.ray_resources on one node;
+    each trainer rank: 1 device + trainer.ray_resources) against the cluster's totals and its nodes: more than it
+    has would leave the actors pending forever, without a word. `cluster` / `nodes` (alive nodes' resources) default
+    to the connected Ray cluster's; `platform` to `cluster_platform(cfg.platform)`."""
+    from agentrl.placement import bundle
+
+    if cluster is None or nodes is None:
+        import ray
+
+        cluster = ray.cluster_resources() if cluster is None else cluster
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")] if nodes is None else nodes
+    if platform is None:
+        platform = run_platform(platform_choice(cfg.platform), cluster)
+    ro, tr = cfg.rollout, cfg.trainer
+    engines = 0 if ro.backend == "remote" else ro.num_engines
+    tp = ro.tensor_parallel_size
+    kinds = [  # (what, count, one actor's bundle, the setting that sized it)
+        ("rollout engine", engines, bundle(platform, tp, ro.ray_resources), "rollout"),
+        ("trainer rank", tr.num_ranks, bundle(platform, 1, tr.ray_resources), "trainer"),
+    ]
+    device = platform.ray_resource if platform.is_accelerator else None
+    problems: list[str] = []
+    hints: dict[str, None] = {}
+    for key in dict.fromkeys(k for _, count, b, _ in kinds if count for k in b):
+        need = sum(count * b.get(key, 0.0) for _, count, b, _ in kinds)
+        have = cluster.get(key, 0.0)
+        if need <= have + 1e-9:
+            continue
+        if key == device:
+            why = f"{engines} rollout engines x {tp} + {tr.num_ranks} trainer ranks"
+            hints["lower rollout.num_engines, rollout.tensor_parallel_size or trainer.num_ranks"] = None
+        else:
+            hints["change rollout.ray_resources / trainer.ray_resources"] = None
+            why = " + ".join(
+                f"{count} {what}s x {_fmt(b[key])} from {section}.ray_resources"
+                for what, count, b, section in kinds
+                if count and key in b
+            )
+        problems.append(f"{_fmt(need)} {key} ({why}) and the Ray cluster has {_fmt(have)}")
+    if problems:
         raise ConfigError(
-            f"the run needs {need} {key} ({engines} rollout engines + {cfg.trainer.num_ranks} trainer ranks) and "
-            f"the Ray cluster has {have:g}: lower rollout.num_engines or trainer.num_ranks, or add nodes"
+            f"the run needs {'; '.join(problems)}: {' or '.join(hints)}, or add nodes with these resources"
         )
+    for what, count, need, section in kinds:
+        if not count or not need:
+            continue
+        room = sum(_fits(node, need) for node in nodes)
+        if room >= count:
+            continue
+        shown = ", ".join(f"{_fmt(v)} {k}" for k, v in need.items())
+        setting = (
+            "rollout.tensor_parallel_size" if section == "rollout" and device in need else f"{section}.ray_resources"
+        )
+        raise ConfigError(
+            f"each {what} needs {shown} on one node and the Ray cluster's nodes hold {room} such "
+            f"{what}{'' if room == 1 else 's'} of the {count} the run asks for: lower {setting} or "
+            f"{'rollout.num_engines' if section == 'rollout' else 'trainer.num_ranks'}, or add nodes"
+        )
+
+
+def check_cluster_devices(cfg: Config, platform: Platform | None = None) -> None:
+    """The former name of `check_cluster_resources`, kept for callers."""
+    check_cluster_resources(cfg, platform)
 
 
 def init_ray(address: str | None) -> None:
@@ -48,12 +110,13 @@ def init_ray(address: str | None) -> None:
     )
 
 
-def check_before_start(cfg: Config, model_path: str) -> None:
-    """Devices, turn limits, the model and every configured env (built in a Ray worker, as the env managers
-    will): ConfigError, one line, before any engine starts."""
+def check_before_start(cfg: Config, model_path: str, platform: Platform | None = None) -> None:
+    """Ray resources (devices and custom ones, in total and per node), turn limits, the model and every configured
+    env (built in a Ray worker, as the env managers will): ConfigError, one line, before any engine starts.
+    `platform`: the run's (default: from cfg.platform and the cluster's resources)."""
     from agentrl.envmanager.manager import check_envs_in_actor, check_turn_limits
 
-    check_cluster_devices(cfg)
+    check_cluster_resources(cfg, platform)
     check_turn_limits(cfg)
     check_model_loads(model_path)
     check_envs_in_actor(cfg)

@@ -79,10 +79,56 @@ def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, ti
     store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timeout)
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    if backend == "nccl":  # checked only on a device
-        return dist.ProcessGroupNCCL(store, rank, world_size)
+    if backend == "nccl":  # checked only on a device; built as torch's own new_group builds it
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     if backend == "hccl":  # checked only on a device; torch_npu exists only where an NPU does
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
 
-        return ProcessGroupHCCL(store, rank, world_size)
+        options = ProcessGroupHCCL.Options()
+        options._timeout = timeout
+        return ProcessGroupHCCL(store, rank, world_size, options)
     raise ValueError(f"unknown weight-sync backend {backend!r} (known: gloo, nccl, hccl)")
+
+
+@dataclass(frozen=True)
+class SyncGroup:
+    """Where the weight-sync group meets. The driver makes a new one (a new port) whenever the set of engines
+    changes; both ends keep their group while the address stays the same."""
+
+    addr: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float = 600.0
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return (self.addr, self.port, self.world_size)
+
+
+class GroupCache:
+    """One live weight-sync group per process, replaced (and the old one shut down) when the address changes."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._group = None
+
+    def get(self, where: SyncGroup, rank: int):
+        if self._key != (*where.key, rank):
+            self.close()
+            self._group = new_group(where.backend, where.addr, where.port, rank, where.world_size, where.timeout_s)
+            self._key = (*where.key, rank)
+        return self._group
+
+    def close(self) -> None:
+        """Drop the group; NCCL/HCCL communicators hold device memory until shut down."""
+        group, self._group, self._key = self._group, None, None
+        shutdown = getattr(group, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # a group whose peers died may fail to shut down cleanly; it is dropped either way
+                pass

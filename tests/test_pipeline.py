@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,8 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
-from agentrl.pipeline import Pipeline, weights_dir
+from agentrl.pipeline import Pipeline
+from agentrl.weights import weights_dir
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 MODES = {
@@ -71,15 +73,18 @@ async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, t
 
 def test_weights_dir_is_per_driver_and_dead_drivers_folders_are_removed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
-    left = base / f"agentrl-weights-same-{int(dead.stdout)}"  # left behind by a kill -9
-    live = base / f"agentrl-weights-same-{os.getppid()}"  # another run of the same name, still running
-    for d in (left, live):
+    host = socket.gethostname()
+    left = tmp_path / f"agentrl-weights-same-{host}-{int(dead.stdout)}"  # left behind by a kill -9
+    live = tmp_path / f"agentrl-weights-same-{host}-{os.getppid()}"  # another run of the same name, still running
+    elsewhere = tmp_path / f"agentrl-weights-same-otherhost-{int(dead.stdout)}"  # a pid of another node: not ours
+    for d in (left, live, elsewhere):
         (d / "v3").mkdir(parents=True, exist_ok=True)
     try:
-        mine = weights_dir(tmp_path, "same")
-        assert mine.name == f"agentrl-weights-same-{os.getpid()}" and mine not in (left, live)
-        assert not left.exists() and live.exists()
+        mine = weights_dir(str(tmp_path), "same")
+        assert mine.name == f"agentrl-weights-same-{host}-{os.getpid()}" and mine not in (left, live)
+        assert not left.exists() and live.exists() and elsewhere.exists()
+        default = weights_dir(None, "same")  # one node: shared memory
+        assert default.parent == (Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp"))
     finally:
-        for d in (left, live):
+        for d in (left, live, elsewhere):
             shutil.rmtree(d, ignore_errors=True)

@@ -9,21 +9,23 @@ import pytest
 
 from agentrl import startup
 from agentrl.config import Config, ConfigError
-from agentrl.platform import platform_for
 
 
-def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session, monkeypatch) -> None:
-    """Simulated CUDA driver against the real local Ray cluster, which has no GPU resource."""
+def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> None:
+    """A CUDA run (cfg.platform=cuda) against the real local Ray cluster, which has no GPU resource: the platform
+    comes from the config and the cluster, so the check needs no GPU in this process."""
     cfg = Config.model_validate({"rollout": {"num_engines": 3}, "trainer": {"num_ranks": 2}})
-    startup.check_cluster_devices(cfg)  # on CPU the actors ask for no device: passes
-    monkeypatch.setattr("agentrl.platform.detect", lambda: platform_for("cuda", 1))
+    startup.check_cluster_devices(cfg)  # auto on a cluster without GPU/NPU: CPU, the actors ask for no device
+    cuda = cfg.model_copy(update={"platform": "cuda"})
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as err:
-        startup.check_cluster_devices(cfg)
+        startup.check_cluster_devices(cuda)
     assert time.monotonic() - t0 < 10
     message = str(err.value)
-    assert "\n" not in message and message.startswith("the run needs 5 GPU (3 rollout engines + 2 trainer ranks)")
-    assert "the Ray cluster has 0" in message and "lower rollout.num_engines or trainer.num_ranks" in message
-    remote = Config.model_validate({"rollout": {"backend": "remote", "url": "http://x", "num_engines": 3}})
-    with pytest.raises(ConfigError, match="needs 1 GPU \\(0 rollout engines \\+ 1 trainer ranks\\)"):
+    assert "\n" not in message and message.startswith("the run needs 5 GPU (3 rollout engines x 1 + 2 trainer ranks)")
+    assert "the Ray cluster has 0" in message and "lower rollout.num_engines" in message
+    remote = Config.model_validate(
+        {"platform": "cuda", "rollout": {"backend": "remote", "url": "http://x", "num_engines": 3}}
+    )
+    with pytest.raises(ConfigError, match="needs 1 GPU \\(0 rollout engines x 1 \\+ 1 trainer ranks\\)"):
         startup.check_cluster_devices(remote)

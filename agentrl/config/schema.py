@@ -161,10 +161,10 @@ class RolloutConfig(Section):
         8, description="stop the run when every episode of this many consecutive groups failed"
     )
     tensor_parallel_size: PositiveInt = Field(1, description="devices per engine, placed on one node")
-    weight_sync: Literal["collective", "disk"] = Field(
-        "collective",
+    weight_sync: Literal["auto", "collective", "disk"] = Field(
+        "auto",
         description="collective: trainer rank 0 broadcasts bucketed weights to the engines (gloo/NCCL/HCCL); "
-        "disk: engines reload safetensors from weights_dir",
+        "disk: engines reload safetensors from weights_dir; auto: collective for vllm, disk for the others",
     )
     weights_dir: str | None = Field(
         None, description="weight_sync=disk: a folder every node sees (default: /dev/shm, one node only)"
@@ -181,10 +181,22 @@ class RolloutConfig(Section):
         changes = {k: v for k, v in self.val_sampling.model_dump().items() if v is not None}
         return self.sampling.model_copy(update=changes)
 
+    @property
+    def resolved_weight_sync(self) -> Literal["collective", "disk"]:
+        """How weights reach the engines: `weight_sync`, with auto made concrete for the backend."""
+        if self.weight_sync != "auto":
+            return self.weight_sync
+        return "collective" if self.backend == "vllm" else "disk"
+
     @model_validator(mode="after")
     def _remote_needs_url(self) -> RolloutConfig:
         if self.backend == "remote" and not self.url:
             raise ValueError("rollout.backend=remote needs rollout.url")
+        if self.weight_sync == "collective" and self.backend != "vllm":
+            raise ValueError(
+                f"rollout.weight_sync=collective needs rollout.backend=vllm ({self.backend} reloads weights from "
+                "disk): use weight_sync: disk or auto"
+            )
         return self
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,10 @@ from agentrl.types import FinishReason, GenOutput
 
 DrainMode = Literal["abort", "wait"]
 Completion = tuple[list[int], list[float], FinishReason]
+WeightSource = str | dict[str, Any]
+"""Where new weights come from: a safetensors folder (rollout.weight_sync=disk), or a collective broadcast:
+{"group": SyncGroup fields, "first_rank": this engine's first rank in it, "metas": [(name, shape, dtype)],
+"bucket_bytes": int} (the router fills in first_rank per engine)."""
 
 
 class EngineError(RuntimeError):
@@ -58,7 +63,7 @@ class RolloutEngine(abc.ABC):
     async def resume(self) -> None: ...
 
     @abc.abstractmethod
-    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
+    async def update_weights(self, source: WeightSource, version: int, drain: DrainMode = "abort") -> float:
         """Load new weights from `source` and switch to `version` atomically: no token is sampled on a mix.
         drain="abort" preempts in-flight requests (partial rollout); "wait" lets them finish first.
         Returns the seconds the update took."""
@@ -98,6 +103,7 @@ class GatedEngine(RolloutEngine):
         self._preempting: set[str] = set()
         self._tokens_generated = 0
         self._requests_done = 0
+        self._held = False  # hold() closed the gate for a weight update still to come
 
     @abc.abstractmethod
     async def start(self) -> dict[str, Any]: ...
@@ -110,7 +116,17 @@ class GatedEngine(RolloutEngine):
     async def _abort_ids(self, request_ids: list[str]) -> None: ...
 
     @abc.abstractmethod
-    async def _load_weights(self, source: str, version: int) -> None: ...
+    async def _load_weights(self, source: WeightSource, version: int) -> None: ...
+
+    async def weight_sync_info(self) -> dict[str, Any]:
+        """What a weight sync needs to know: whether the backend receives a collective broadcast, the dtype it
+        computes in (None: unknown), and its workers (ranks in the weight-sync group, one per tensor-parallel
+        rank). This default is a backend that only reloads from disk."""
+        return {"collective": False, "dtype": None, "workers": 1}
+
+    async def can_read(self, path: str) -> bool:
+        """Whether this engine's node sees `path` (the disk weight sync's start-up check)."""
+        return os.path.exists(path)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         await self.start()
@@ -153,17 +169,26 @@ class GatedEngine(RolloutEngine):
     async def resume(self) -> None:
         self._gate.set()
 
-    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
+    async def hold(self, drain: DrainMode = "abort") -> None:
+        """Close the gate and drain, for an update_weights to come: a collective sync drains every engine first,
+        so the group forms at once instead of waiting on the slowest drain."""
+        await self.start()
+        self._held = self._held or self._gate.is_set()
+        self._gate.clear()
+        await self._drain(drain)
+
+    async def update_weights(self, source: WeightSource, version: int, drain: DrainMode = "abort") -> float:
         await self.start()
         t0 = time.perf_counter()
-        was_open = self._gate.is_set()
+        reopen = self._gate.is_set() or self._held
         self._gate.clear()
         try:
             await self._drain(drain)
-            await self._load_weights(str(source), version)
+            await self._load_weights(source if isinstance(source, dict) else str(source), version)
             self._version = version
         finally:
-            if was_open:
+            self._held = False
+            if reopen:
                 self._gate.set()
         return time.perf_counter() - t0
 

@@ -8,7 +8,8 @@ from typing import Any
 import ray
 
 from agentrl.config.schema import RolloutConfig
-from agentrl.platform import detect
+from agentrl.placement import Placement, create_placement
+from agentrl.platform import Platform, cluster_platform
 from agentrl.rollout.router import EngineFactory, Router
 
 
@@ -33,6 +34,11 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0
         # rollout.url may list several servers, comma-separated: engine i talks to server i (round robin).
         urls = [u.strip() for u in (cfg.url or "").split(",") if u.strip()]
         return {"url": urls[index % len(urls)], "request_timeout_s": cfg.request_timeout_s, **cfg.engine_kwargs}
+    extra = dict(cfg.engine_kwargs)
+    if cfg.backend == "vllm" and cfg.tensor_parallel_size > 1:
+        # Inside a placement group vLLM would default to its Ray executor, whose workers ask Ray for devices this
+        # actor already holds (pending forever): TP runs in the actor's own worker processes instead.
+        extra.setdefault("distributed_executor_backend", "mp")
     return {
         "model_path": model_path,
         "max_model_len": cfg.max_model_len,
@@ -40,53 +46,130 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0
         "enforce_eager": cfg.enforce_eager,
         "seed": seed,
         "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "engine_kwargs": dict(cfg.engine_kwargs),
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "engine_kwargs": extra,
     }
 
 
-def _create(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0) -> Any:
-    platform = detect()
-    # A remote engine is an HTTP client: it needs no accelerator and no vLLM environment.
-    options = (
-        {"num_cpus": 0}
+class Engines(list):
+    """Engine handles as `create_engines` made them, remembering their platform and placement so that
+    `start_router` re-creates a dead engine i in bundle i. A plain list works too (restarts are then unplaced)."""
+
+    def __init__(self, handles: list[Any], platform: Platform, placement: Placement | None) -> None:
+        super().__init__(handles)
+        self.platform = platform
+        self.placement = placement
+
+    def remove_placement(self) -> None:
+        """Free the engines' device reservation once they are killed."""
+        if self.placement is not None:
+            self.placement.remove()
+
+
+def engine_placement(
+    cfg: RolloutConfig, platform: Platform, count: int | None = None, reserve: bool = True
+) -> Placement:
+    """Slots for `count` engines (default rollout.num_engines): tensor_parallel_size devices + rollout.ray_resources
+    each; a remote engine (an HTTP client) needs nothing. `reserve`: create the placement group now."""
+    n = count or cfg.num_engines
+    if cfg.backend == "remote":
+        return Placement(platform, 0, {}, n)
+    if not reserve:
+        return Placement(platform, cfg.tensor_parallel_size, dict(cfg.ray_resources), n)
+    return create_placement(platform, cfg.tensor_parallel_size, cfg.ray_resources, n, name="rollout engines")
+
+
+def engine_options(cfg: RolloutConfig, platform: Platform, placement: Placement | None, index: int) -> dict[str, Any]:
+    """Ray actor options of engine `index`: its slot in `placement` (unplaced without one), and the environment
+    that makes `detect()` inside the actor agree with the run's platform."""
+    slot = placement or engine_placement(cfg, platform, reserve=False)
+    env = (
+        platform.actor_env()
         if cfg.backend == "remote"
-        else {"runtime_env": {"env_vars": platform.vllm_env(cfg.kv_cache_gib)}, **platform.ray_actor_options()}
+        else {**platform.vllm_env(cfg.kv_cache_gib), **platform.actor_env()}
     )
+    return {"max_concurrency": 4096, **slot.options(index), "runtime_env": {"env_vars": env}}
+
+
+def _create(
+    cfg: RolloutConfig,
+    model_path: str,
+    seed: int,
+    index: int = 0,
+    platform: Platform | None = None,
+    placement: Placement | None = None,
+) -> Any:
+    platform = platform or cluster_platform()
     return (
         ray.remote(engine_class(cfg.backend))
-        .options(max_concurrency=4096, **options)
+        .options(**engine_options(cfg, platform, placement, index))
         .remote(**engine_kwargs(cfg, model_path, seed, index))
     )
 
 
-def _create_at(cfg: RolloutConfig, model_path: str, seed: int, index: int) -> Any:
-    return _create(cfg, model_path, seed + index, index)
+def _create_at(
+    cfg: RolloutConfig,
+    model_path: str,
+    seed: int,
+    index: int,
+    platform: Platform | None = None,
+    placement: Placement | None = None,
+) -> Any:
+    return _create(cfg, model_path, seed + index, index, platform, placement)
 
 
-def engine_factory(cfg: RolloutConfig, model_path: str, seed: int = 0) -> EngineFactory:
-    """Engine `index` made anew exactly as start_engines made it (not started): the router's restart path."""
-    return functools.partial(_create_at, cfg, model_path, seed)
+def engine_factory(
+    cfg: RolloutConfig,
+    model_path: str,
+    seed: int = 0,
+    platform: Platform | None = None,
+    placement: Placement | None = None,
+) -> EngineFactory:
+    """Engine `index` made anew exactly as create_engines made it (not started), in bundle `index` of `placement`:
+    the router's restart path. `platform` defaults to the one of the connected Ray cluster (`cluster_platform`)."""
+    platform = platform or (placement.platform if placement is not None else cluster_platform())
+    return functools.partial(_create_at, cfg, model_path, seed, platform=platform, placement=placement)
 
 
-def start_engines(cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None) -> list[Any]:
+def create_engines(
+    cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None, platform: Platform | None = None
+) -> Engines:
+    """`count` (default rollout.num_engines) engine actors in their placement group, created but not started (no
+    weights loaded yet): a caller can check things in between, then `start_created`."""
+    platform = platform or cluster_platform()
+    placement = engine_placement(cfg, platform, count)
+    make = engine_factory(cfg, model_path, seed, platform, placement)
+    return Engines([make(i) for i in range(count or cfg.num_engines)], platform, placement)
+
+
+def start_created(engines: list[Any]) -> list[Any]:
+    """Start created engines in parallel (each loads its weights); returns them."""
+    ray.get([h.start.remote() for h in engines])
+    return engines
+
+
+def start_engines(
+    cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None, platform: Platform | None = None
+) -> Engines:
     """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
-    make = engine_factory(cfg, model_path, seed)
-    handles = [make(i) for i in range(count or cfg.num_engines)]
-    ray.get([h.start.remote() for h in handles])
-    return handles
+    return start_created(create_engines(cfg, model_path, seed, count, platform))
 
 
 def start_router(
     engines: list[Any], cfg: RolloutConfig, model_path: str | None = None, seed: int = 0, **router_kwargs: Any
 ) -> Any:
     """The router actor. With `model_path` (and the `seed` given to start_engines) it restarts a dead engine up to
-    rollout.restart_engines times; without, dead engines are only drained and reported."""
-    restart = engine_factory(cfg, model_path, seed) if model_path is not None else None
+    rollout.restart_engines times, in the dead engine's placement bundle when `engines` came from create_engines;
+    without, dead engines are only drained and reported."""
+    restart = None
+    if model_path is not None:
+        platform, placement = getattr(engines, "platform", None), getattr(engines, "placement", None)
+        restart = engine_factory(cfg, model_path, seed, platform, placement)
     return (
         ray.remote(Router)
         .options(max_concurrency=100_000, num_cpus=0)
         .remote(
-            engines,
+            list(engines),
             request_timeout_s=cfg.request_timeout_s,
             restart=restart,
             max_restarts=cfg.restart_engines,

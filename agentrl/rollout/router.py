@@ -9,7 +9,9 @@ RetryableEngineError (never hang), nothing new goes to it, and fleet-wide calls 
 skip it instead of failing the run. An engine that is gone for good (actor or core dead, or stuck for
 `stuck_checks` health rounds) is killed and restarted in the background through the `restart` factory, at most
 `max_restarts` times per engine index; one that only failed health checks rejoins when it answers again. Either
-way it first loads the latest weights the router has seen. Deaths, restarts and the time with no live engine are
+way it first loads the latest weights: from disk at once, or, when weights arrive over a collective
+(rollout.weight_sync), at the next weight sync, which includes engines awaiting weights (`fleet_status()`
+counts them, and the pipeline syncs at once when one waits). Deaths, restarts and the time with no live engine are
 reported by `fleet_status()`, which the pipeline polls every step.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config.schema import SamplingConfig
-from agentrl.rollout.base import DrainMode, EngineError, RetryableEngineError
+from agentrl.rollout.base import DrainMode, EngineError, RetryableEngineError, WeightSource
 from agentrl.types import GenOutput
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,8 @@ class _Slot:
     gone: bool = False  # declared dead for good: restarted, given up, or rejoins only if it answers again
     dead: bool = False  # its actor or core died: it never answers again, whatever a late health reply said
     restarting: bool = False
+    loaded: int = 0  # the weight update (router count) it holds; -1: none yet, it waits for the next sync
+    serial: int = 0  # which engine this is (a restart makes a new one): the weight-sync group is rebuilt for it
 
 
 def _is_actor_death(err: BaseException) -> bool:
@@ -105,7 +109,7 @@ class Router:
         before failing, so callers retrying it back off instead of spinning."""
         if not engines:
             raise ValueError("the router needs at least one engine")
-        self._slots = [_Slot(i, h) for i, h in enumerate(engines)]
+        self._slots = [_Slot(i, h, serial=i) for i, h in enumerate(engines)]
         self._sticky: dict[str, int] = {}
         self._health_interval_s = health_interval_s
         self._health_timeout_s = health_timeout_s
@@ -117,7 +121,10 @@ class Router:
         self._stuck_checks = stuck_checks
         self._no_engine_wait_s = no_engine_wait_s
         self._health_task: asyncio.Task | None = None
-        self._weights: tuple[str, int] | None = None
+        self._weights: tuple[WeightSource, int] | None = None
+        self._updates = 0  # weight updates so far; a slot's `loaded` says which one it holds
+        self._serials = len(engines)
+        self._sync_info: dict[int, dict[str, Any]] = {}  # slot serial -> its weight_sync_info()
         self._attempts = [0] * len(engines)  # restart attempts per engine index, successful or not
         self._deaths = 0
         self._restarts = 0
@@ -267,7 +274,7 @@ class Router:
             try:
                 handle = self._restart(index)
                 await asyncio.wait_for(handle.start.remote(), self._start_timeout_s)
-                await self._load_latest(handle)
+                loaded = await self._load_latest(handle)
             except Exception as err:
                 self._event(f"rollout engine {index} restart {attempt}/{self._max_restarts} failed ({_short(err)})")
                 if handle is not None:
@@ -277,10 +284,13 @@ class Router:
             if self._slots[index] is not slot:  # replace_engine() put another engine there meanwhile
                 await self._kill(handle)
                 return
-            new = _Slot(index, handle, alive=False)
+            new = _Slot(index, handle, alive=False, loaded=loaded, serial=self._new_serial())
             self._slots[index] = new
-            self._set_alive(new, True)
             self._restarts += 1
+            if loaded < 0:
+                self._event(f"rollout engine {index} restarted; it joins at the next weight sync")
+                return
+            self._set_alive(new, True)
             self._event(f"rollout engine {index} restarted; {self._live_line()}")
             return
         slot.restarting = False
@@ -296,13 +306,21 @@ class Router:
         with contextlib.suppress(Exception):
             ray.kill(handle)
 
-    async def _load_latest(self, handle: Any) -> None:
-        """Load the latest weights the router has seen, again if an update arrived meanwhile."""
-        loaded = None
-        while self._weights is not None and self._weights != loaded:
-            loaded = self._weights
-            source, version = loaded
+    def _new_serial(self) -> int:
+        self._serials += 1
+        return self._serials
+
+    async def _load_latest(self, handle: Any, holds: int = -1) -> int:
+        """Bring an engine holding weight update `holds` up to the latest one, again if an update arrived meanwhile;
+        returns the update it now holds. Weights that came over a collective cannot be re-read: then it returns
+        -1 and the engine waits for the next sync."""
+        while self._weights is not None and holds != self._updates:
+            (source, version), target = self._weights, self._updates
+            if isinstance(source, dict):
+                return -1
             await asyncio.wait_for(handle.update_weights.remote(source, version, "abort"), self._start_timeout_s)
+            holds = target
+        return self._updates if self._weights is None else holds
 
     # ---- health ----------------------------------------------------------------------------------------------
     def _ensure_health_loop(self) -> None:
@@ -341,13 +359,18 @@ class Router:
                 await self._rejoin(slot)
 
     async def _rejoin(self, slot: _Slot) -> None:
+        if slot.loaded < 0:
+            return  # waits for the next weight sync
         try:
-            await self._load_latest(slot.handle)
+            loaded = await self._load_latest(slot.handle, slot.loaded)
         except Exception as err:
             log.warning("rollout engine %d could not rejoin: %s", slot.index, _short(err))
             return
         if self._slots[slot.index] is slot and not slot.alive and not slot.dead:
-            slot.gone = False
+            slot.gone, slot.loaded = False, loaded
+            if loaded < 0:
+                self._event(f"rollout engine {slot.index} answers again; it joins at the next weight sync")
+                return
             self._set_alive(slot, True)
             self._event(f"rollout engine {slot.index} rejoined; {self._live_line()}")
 
@@ -359,12 +382,15 @@ class Router:
     def replace_engine(self, index: int, handle: Any) -> None:
         """Swap in an engine started elsewhere; it rejoins at the next health round with the latest weights."""
         self._drain(self._slots[index])
-        self._slots[index] = _Slot(index, handle, alive=False)
+        self._slots[index] = _Slot(
+            index, handle, alive=False, loaded=-1 if self._updates else 0, serial=self._new_serial()
+        )
 
     async def fleet_status(self) -> dict[str, Any]:
         """Live/total engines, cumulative deaths and successful restarts, engines restarting now, seconds with no
         live engine (0.0 while one is live) and the event lines since the previous call (cleared here). The
-        pipeline polls it every step and stops the run when no_live_s exceeds rollout.no_engine_timeout_s."""
+        pipeline polls it every step and stops the run when no_live_s exceeds rollout.no_engine_timeout_s;
+        `awaiting_weights` engines wait for the next collective weight sync."""
         self._ensure_health_loop()
         events = list(self._events)
         self._events.clear()
@@ -375,6 +401,7 @@ class Router:
             "deaths": self._deaths,
             "restarts": self._restarts,
             "restarting": sum(s.restarting for s in self._slots),
+            "awaiting_weights": len(self._awaiting()),
             "no_live_s": 0.0 if since is None else time.monotonic() - since,
             "events": events,
         }
@@ -389,12 +416,77 @@ class Router:
             raise errors[0]
         return [r for r in results if not isinstance(r, BaseException)]
 
-    async def update_weights(self, source: str, version: int, drain: DrainMode = "abort") -> float:
-        """Update every live engine; returns the slowest engine's seconds. Engines restarting or rejoining later
-        load these weights first."""
+    def _awaiting(self) -> list[_Slot]:
+        """Engines that answer but hold no current weights (restarted while weights came over a collective)."""
+        return [s for s in self._slots if not s.alive and not s.dead and not s.restarting and s.loaded < 0]
+
+    async def weight_sync_members(self) -> dict[str, Any]:
+        """Who takes part in the next collective weight sync (live engines and those awaiting weights), in rank
+        order: `members` [(index, serial, workers)], whether they all receive a `collective` broadcast, and their
+        `dtype` (None: unknown). The driver sizes the group from it and passes `members` back to update_weights."""
+        members = []
+        for slot in [*self._live(), *self._awaiting()]:
+            if slot.serial not in self._sync_info:
+                try:
+                    self._sync_info[slot.serial] = await self._call(slot, "weight_sync_info")
+                except RetryableEngineError:
+                    continue  # it died just now: drained and counted; the sync goes on without it
+            members.append((slot, self._sync_info[slot.serial]))
+        infos = [info for _, info in members]
+        dtypes = {info["dtype"] for info in infos if info.get("dtype")}
+        if len(dtypes) > 1:
+            raise EngineError(f"engines compute in different dtypes {sorted(dtypes)}: one broadcast cannot serve them")
+        return {
+            "members": [(slot.index, slot.serial, int(info["workers"])) for slot, info in members],
+            "collective": all(info.get("collective") for info in infos),
+            "dtype": dtypes.pop() if dtypes else None,
+        }
+
+    async def hold(self, members: list, drain: DrainMode = "abort") -> list:
+        """Close the gates of `members` (from weight_sync_members) and drain them; returns those held (an engine
+        that died meanwhile is left out, drained and counted), which then form the weight-sync group."""
+        slots = [self._slots[i] for i, serial, _ in members if self._slots[i].serial == serial]
+        results = await asyncio.gather(*(self._call(s, "hold", drain) for s in slots), return_exceptions=True)
+        held = {s.serial for s, r in zip(slots, results, strict=True) if not isinstance(r, BaseException)}
+        errors = [r for r in results if isinstance(r, BaseException) and not isinstance(r, RetryableEngineError)]
+        if errors:
+            raise errors[0]
+        return [m for m in members if m[1] in held]
+
+    async def update_weights(
+        self, source: WeightSource, version: int, drain: DrainMode = "abort", members: list | None = None
+    ) -> float:
+        """Update every live engine (disk), or every engine in `members` (a collective sync: each gets its first
+        rank in the group, and one awaiting weights goes live once loaded); returns the slowest engine's seconds.
+        Engines restarting or rejoining later load disk weights first; collective ones wait for the next sync."""
+        self._updates += 1
         self._weights = (source, version)
         t0 = time.perf_counter()
-        await self._each_live("update_weights", source, version, drain)
+        if not isinstance(source, dict):
+            await self._each_live("update_weights", source, version, drain)
+            for slot in self._live():
+                slot.loaded = self._updates
+            return time.perf_counter() - t0
+        calls, first_rank = [], 1
+        for index, serial, workers in members or []:
+            slot = self._slots[index]
+            if slot.serial == serial:
+                calls.append(
+                    (slot, self._call(slot, "update_weights", {**source, "first_rank": first_rank}, version, drain))
+                )
+            first_rank += workers
+        results = await asyncio.gather(*(call for _, call in calls), return_exceptions=True)
+        for (slot, _), result in zip(calls, results, strict=True):
+            if isinstance(result, BaseException):
+                continue
+            slot.loaded = self._updates
+            if not slot.alive and not slot.dead and self._slots[slot.index] is slot:
+                slot.gone = False
+                self._set_alive(slot, True)
+                self._event(f"rollout engine {slot.index} has the new weights and serves again; {self._live_line()}")
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
         return time.perf_counter() - t0
 
     async def pause(self) -> None:

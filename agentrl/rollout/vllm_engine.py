@@ -15,7 +15,15 @@ from typing import Any
 
 from agentrl.config.schema import SamplingConfig
 from agentrl.platform import detect
-from agentrl.rollout.base import Completion, EngineDeadError, EngineError, GatedEngine, eos_token_ids, finish_reason
+from agentrl.rollout.base import (
+    Completion,
+    EngineDeadError,
+    EngineError,
+    GatedEngine,
+    WeightSource,
+    eos_token_ids,
+    finish_reason,
+)
 
 
 class VLLMEngine(GatedEngine):
@@ -62,6 +70,7 @@ class VLLMEngine(GatedEngine):
         self._llm = None
         self._start_seconds = 0.0
         self._streamed: dict[str, int] = {}  # request id -> tokens generated so far
+        self._broken = ""  # why a collective weight load failed half-way: the weights are a mix, never serve again
 
     async def start(self) -> dict[str, Any]:
         """Build the AsyncLLM (10-20 s on CPU); idempotent."""
@@ -91,6 +100,8 @@ class VLLMEngine(GatedEngine):
 
     async def _complete(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> Completion:
         """Stream one request to its end; an abort ends the stream with the partial tokens so far."""
+        if self._broken:
+            raise EngineDeadError(f"vLLM engine: {self._broken}")
         final = None
         try:
             async for out in self._llm.generate(
@@ -117,21 +128,42 @@ class VLLMEngine(GatedEngine):
     async def _abort_ids(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)
 
-    async def _load_weights(self, source: str, version: int) -> None:
+    async def _load_weights(self, source: WeightSource, version: int) -> None:
         if self._core_dead():
             raise EngineDeadError("vLLM engine core is dead: cannot load weights")
-        await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
+        if isinstance(source, dict):
+            await self._receive_weights(source)
+        else:
+            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
         if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
             await self._llm.collective_rpc("refresh_cpu_gemm")
         await self._llm.reset_prefix_cache()
+
+    async def _receive_weights(self, source: dict[str, Any]) -> None:
+        """Every worker receives the broadcast (vllm_worker.receive_weights). A failure half-way leaves a mix of
+        two versions in the model: the engine reports itself dead, so the router replaces it."""
+        try:
+            await self._llm.collective_rpc(
+                "receive_weights",
+                kwargs={k: source[k] for k in ("group", "first_rank", "metas", "bucket_bytes")},
+            )
+        except Exception as err:
+            self._broken = f"collective weight load failed: {err}"
+            raise EngineDeadError(f"vLLM engine: {self._broken}") from err
+
+    async def weight_sync_info(self) -> dict[str, Any]:
+        await self.start()
+        dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
+        return {"collective": True, "dtype": dtype, "workers": int(self._engine_args["tensor_parallel_size"])}
 
     async def stats(self) -> dict[str, Any]:
         """The shared counters, plus `tokens_streaming`: tokens generated so far by requests still running."""
         return {**await super().stats(), "tokens_streaming": sum(self._streamed.values())}
 
     def _core_dead(self) -> bool:
-        """AsyncLLM.errored: the EngineCore process exited or its output loop failed; vLLM never recovers."""
-        return self._llm is not None and bool(self._llm.errored)
+        """AsyncLLM.errored (the EngineCore process exited or its output loop failed; vLLM never recovers), or a
+        collective weight load failed half-way."""
+        return bool(self._broken) or (self._llm is not None and bool(self._llm.errored))
 
     async def health(self) -> dict[str, Any]:
         """`ok`: serving. `dead`: the core is gone for good (the router restarts the engine rather than wait).

@@ -6,9 +6,10 @@ lm_head tied to the input embedding: that head keeps computing logits from the *
 greedy tokens looked right, sampled tokens were near-uniform noise). Re-dispatching every layer that still holds
 its weight fixes it; layers whose weights vLLM removed after packing were re-packed by the reload itself.
 
-`init_weight_group` / `receive_weights`: the receiving end of the collective weight broadcast whose sender is
-`agentrl.trainer.weight_sync`. The pipeline does not call them yet (engines reload safetensors snapshots);
-they are the path the multi-node work will wire, and are checked only on a device.
+`receive_weights`: the receiving end of the collective weight sync whose sender is `agentrl.trainer.weight_sync`.
+Each worker (one per tensor-parallel rank) joins the group as rank `first_rank + self.rank`, receives every
+bucket in full and hands the tensors to vLLM's in-place `reload_weights`, whose weight loaders keep this rank's
+shard.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, TensorMeta, new_group, plan_buckets, unpack_bucket
+from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, GroupCache, SyncGroup, TensorMeta, plan_buckets, unpack_bucket
 
 
 def receive_state_dict(
@@ -44,11 +45,16 @@ class AgentrlWorkerExtension:
                 refreshed += 1
         return refreshed
 
-    def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world_size: int) -> None:
-        self._agentrl_group = new_group(backend, addr, port, rank, world_size)
-
-    def receive_weights(self, metas: list[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+    def receive_weights(self, group: dict, first_rank: int, metas: list, bucket_bytes: int) -> int:
+        """Join (or reuse) the weight-sync group `group` (`SyncGroup` fields), receive every bucket and load it.
+        `metas` are (name, shape, dtype) triples: plain values travel through vLLM's RPC on every version."""
+        if not hasattr(self, "_agentrl_groups"):
+            self._agentrl_groups = GroupCache()
+        rank = first_rank + int(getattr(self, "rank", 0))
+        pg = self._agentrl_groups.get(SyncGroup(**group), rank=rank)
         device = next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
-        weights = receive_state_dict(self._agentrl_group, metas, device, bucket_bytes)
-        self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
-        return len(metas)
+        wanted = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in metas]
+        # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked) the
+        # layers and dropped their weight loaders; its in-place reload restores them around the load
+        self.model_runner.reload_weights(weights_iterator=receive_state_dict(pg, wanted, device, bucket_bytes))  # type: ignore[attr-defined]
+        return len(wanted)

@@ -2,7 +2,7 @@
 
 The methods block and return plain Python: the pipeline overlaps training with rollout by running them in a
 worker thread (asyncio.to_thread). Only the two sides of a weight broadcast must run concurrently, so
-`init_weight_group_async` / `broadcast_weights_async` return rank 0's `ray.ObjectRef` instead. Calls from one
+`broadcast_weights_async` returns rank 0's `ray.ObjectRef` instead. Calls from one
 driver run in order on every rank; the other ranks' refs are kept and checked at the next call so a failure on
 any rank surfaces.
 """
@@ -10,13 +10,15 @@ any rank surfaces.
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import ray
 
 from agentrl.config.schema import Config
 from agentrl.models.tiny import resolve_model_path
-from agentrl.platform import detect, worker_env
+from agentrl.placement import create_placement
+from agentrl.platform import Platform, cluster_platform, worker_env
 from agentrl.types import Sample
 
 
@@ -24,26 +26,37 @@ class TrainerGroup:
     """The trainer as the pipeline sees it: `train_step`, `sft_step`, `compute_logprobs`, `export_weights`,
     `save_checkpoint` / `load_checkpoint`, `version`, `shutdown`."""
 
-    def __init__(self, cfg: Config, model_path: str | None = None) -> None:
-        from agentrl.trainer.worker import TrainerRank
-
+    def __init__(self, cfg: Config, model_path: str | None = None, platform: Platform | None = None) -> None:
+        """`platform`: the run's (default: from cfg.platform and the Ray cluster's resources, not this node's)."""
         self.cfg = cfg
         path = resolve_model_path(model_path or cfg.model.path, cfg.model.cache_dir)
         self.model_path = path
-        n = cfg.trainer.num_ranks
-        plat = detect()
-        opts = plat.ray_actor_options(1.0)
-        env = {**worker_env(), **({"AGENTRL_PLATFORM": plat.kind} if plat.kind == "cpu" else {})}
-        if os.environ.get("AGENTRL_STRICT_DEVICES"):  # device-placement checks (worker.py), e.g. on a device run
-            env["AGENTRL_STRICT_DEVICES"] = os.environ["AGENTRL_STRICT_DEVICES"]
-        cls = ray.remote(TrainerRank).options(**opts, runtime_env={"env_vars": env})
-        cfg_dict = cfg.model_dump(by_alias=True)
-        self.ranks = [cls.remote(cfg_dict, path, r, n) for r in range(n)]
+        plat = platform or cluster_platform(cfg.platform)
+        self.ranks = self._create_ranks(cfg, path, plat)
         self._pending: list[ray.ObjectRef] = []
         self._version = 0  # the ranks count it too; the driver tracks it so reading it costs no round trip
         # Rank 0 hosts the rendezvous, wherever Ray placed it (multi-node safe).
         addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
         ray.get([a.setup.remote(addr, port) for a in self.ranks])  # surface start-up errors here
+
+    def _create_ranks(self, cfg: Config, path: str, plat: Platform) -> list[Any]:
+        """One actor per rank, each in its bundle of one PACK placement group ({device: 1} + trainer.ray_resources),
+        told the run's platform (AGENTRL_PLATFORM) so that its own `detect()` agrees. The reservation is freed when
+        this group is garbage-collected (or the driver exits)."""
+        from agentrl.trainer.worker import TrainerRank
+
+        n = cfg.trainer.num_ranks
+        self._placement = create_placement(plat, 1.0, cfg.trainer.ray_resources, n, name="trainer ranks")
+        weakref.finalize(self, self._placement.remove)
+        env = {**worker_env(plat), **plat.actor_env()}
+        if os.environ.get("AGENTRL_STRICT_DEVICES"):  # device-placement checks (worker.py), e.g. on a device run
+            env["AGENTRL_STRICT_DEVICES"] = os.environ["AGENTRL_STRICT_DEVICES"]
+        cls = ray.remote(TrainerRank)
+        cfg_dict = cfg.model_dump(by_alias=True)
+        return [
+            cls.options(**self._placement.options(r), runtime_env={"env_vars": env}).remote(cfg_dict, path, r, n)
+            for r in range(n)
+        ]
 
     # ---- plumbing ------------------------------------------------------------------------------------------
 
@@ -86,23 +99,32 @@ class TrainerGroup:
             merged.update(part)
         return [merged[i] for i in range(len(samples))]
 
-    def export_weights(self, out_dir: str) -> str:
-        """Full weights as HF safetensors in `out_dir` (/dev/shm on CPU): an engine's reload_weights dir."""
-        return self._get(self._call("export_weights", out_dir))
+    def export_weights(self, out_dir: str, dtype: str = "float32") -> str:
+        """Full weights as HF safetensors in `out_dir`, cast to `dtype`: an engine's reload_weights dir
+        (rollout.weight_sync=disk)."""
+        return self._get(self._call("export_weights", out_dir, dtype))
 
-    def weight_metas(self) -> list:
-        """Names, shapes, dtypes of the weights that `broadcast_weights_async` sends (for the receivers)."""
-        return self._get(self._call("weight_metas"))
+    def write_sentinel(self, path: str, dtype: str) -> None:
+        """Rank 0 writes `path` after checking its folder has room for two snapshots in `dtype` (disk sync)."""
+        self._get(self._call("write_sentinel", path, dtype))
 
-    def init_weight_group_async(self, addr: str, port: int, world_size: int) -> ray.ObjectRef:
-        """Rank 0 joins a broadcast group with the engine workers; start both sides together. Not called by the
-        pipeline (engines reload `export_weights` snapshots): the collective path the multi-node work will wire."""
-        return self._call("init_weight_group", addr, port, world_size)
+    def remove_path(self, path: str) -> None:
+        """Rank 0 removes a file or folder it wrote (on its node, which may not be the driver's)."""
+        self._get(self._call("remove_path", path))
 
-    def broadcast_weights_async(self, bucket_bytes: int = 256 << 20) -> ray.ObjectRef:
-        """Broadcast the current weights to the engines (who call `receive_weights` meanwhile). Not called by the
-        pipeline yet: the collective path the multi-node work will wire."""
-        return self._call("broadcast_weights", bucket_bytes)
+    def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype) of every tensor `broadcast_weights_async` sends: what the receivers allocate."""
+        return self._get(self._call("weight_metas", dtype))
+
+    def sync_address(self) -> tuple[str, int]:
+        """Rank 0's node IP and a free port there: where a new weight-sync group meets (rank 0 hosts it)."""
+        self._check_pending()
+        return ray.get(self.ranks[0].rendezvous_address.remote())
+
+    def broadcast_weights_async(self, where: dict, dtype: str, bucket_bytes: int) -> ray.ObjectRef:
+        """Start sending the current weights over the weight-sync group `where` (SyncGroup fields); the engines
+        must receive meanwhile, so this returns rank 0's ref (bytes sent) instead of waiting."""
+        return self._call("broadcast_weights", where, dtype, bucket_bytes)
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
         """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, policy version, optimizer steps."""
@@ -129,3 +151,4 @@ class TrainerGroup:
             ray.kill(a)
         self.ranks = []
         self._pending = []
+        self._placement.remove()

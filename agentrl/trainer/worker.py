@@ -16,7 +16,9 @@ and metric sums stay there until one device-to-host copy at the end of a step. `
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from agentrl.config.schema import Config
 from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
-from agentrl.trainer import losses
+from agentrl.trainer import losses, weight_sync
 from agentrl.trainer.batching import LAYOUT_KEYS, collate, micro_batches, scatter_back, shard_indices, to_device
 from agentrl.trainer.checkpoint import (
     hf_state_dict,
@@ -42,6 +44,7 @@ from agentrl.trainer.model import forward_logprobs, forward_values, uses_flash_a
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.sharding import build_sharded
 from agentrl.types import Sample
+from agentrl.weight_buckets import GroupCache, SyncGroup
 
 RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
            "is_truncated", "value_loss")  # fmt: skip
@@ -148,6 +151,7 @@ class TrainerRank:
         if device_module is not None:
             device_module.set_device(self.device)
         self.plat = plat
+        self._sync_groups = GroupCache()  # rank 0's group with the engine workers (collective weight sync)
 
     def setup(self, addr: str, port: int) -> int:
         """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
@@ -296,10 +300,27 @@ class TrainerRank:
         if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
             self.sft_opt = self.sft_sched = None
         rl = self._prepare(samples)
+        gap = self._rollout_gap(samples, rl.fields.get("prox"))
         sums, grad_norms, lrs = self._optimize(rl)
         self.version += 1
         self.optimizer_steps += len(grad_norms)
-        return self._summarize(samples, sums, grad_norms, lrs, t0)
+        return {**self._summarize(samples, sums, grad_norms, lrs, t0), **gap}
+
+    def _rollout_gap(self, samples: list[Sample], prox: dict[int, list[float]] | None) -> dict[str, float]:
+        """`train/rollout_logprob_diff`: mean |engine log-prob - trainer log-prob| over the model tokens sampled at
+        the trainer's current version. It checks the last weight sync: near 0 when the engines hold exactly the
+        trainer's weights (the rest is numerics), large when a sync was lost or wrong. Collective over ranks."""
+        if prox is None:
+            return {}
+        total, count = 0.0, 0
+        for i, trainer_lp in prox.items():
+            s = samples[i]
+            for t, lp in enumerate(trainer_lp):
+                if s.loss_mask[t] and s.versions[t] == self.version:
+                    total += abs(s.logprobs[t] - lp)
+                    count += 1
+        summed = _host_all_reduce(torch.tensor([total, count], dtype=torch.float64))
+        return {"train/rollout_logprob_diff": float(summed[0] / summed[1])} if summed[1] else {}
 
     def _prepare(self, samples: list[Sample]) -> _RLBatch:
         """Under the weights from before this step: the micro-batch plan, the proximal / reference log-probs
@@ -469,43 +490,65 @@ class TrainerRank:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
         return get_model_state_dict(self.model, options=opts)
 
-    def export_weights(self, out_dir: str) -> str:
-        """Full weights as HF-named safetensors (+ config) by rank 0: what engines' reload_weights read."""
+    def export_weights(self, out_dir: str, dtype: str = "float32") -> str:
+        """Full weights as HF-named safetensors (+ config) in the engines' dtype, by rank 0: what engines'
+        reload_weights read (rollout.weight_sync=disk)."""
         state = self.full_state_dict()
         if self.rank == 0:
             from agentrl.trainer.checkpoint import copy_hf_side_files
 
-            write_safetensors(hf_state_dict(state, self.tied), out_dir)
+            cast = getattr(torch, dtype)
+            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in hf_state_dict(state, self.tied).items()}
+            write_safetensors(state, out_dir)
             if not os.path.exists(os.path.join(out_dir, "config.json")):
                 copy_hf_side_files(self.model_path, out_dir)
+            _remove_older_snapshots(out_dir)
         dist.barrier()
         return out_dir
 
-    def weight_metas(self) -> list:
-        """Names, full shapes and dtypes of the exported weights: engines need them before a broadcast."""
-        from agentrl.weight_buckets import meta_of
+    def write_sentinel(self, path: str, dtype: str) -> None:
+        """Rank 0 writes a file the engines must then read (is the weights dir shared with them?) and checks the
+        folder has room for two snapshots (a container's 64 MB /dev/shm passes an is_dir check, then fails)."""
+        if self.rank != 0:
+            return
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        need = (
+            2
+            * sum(math.prod(p.shape) for p in self.model.parameters())
+            * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        )
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise RuntimeError(
+                f"{folder} has {free / 2**20:.0f} MiB free and two weight snapshots need {need / 2**20:.0f} MiB: "
+                "set rollout.weights_dir to a bigger folder every node sees, or use rollout.weight_sync: collective"
+            )
+        with open(path, "w") as f:
+            f.write("agentrl weights_dir check\n")
 
-        skip = {"lm_head.weight"} if self.tied else set()
-        return [meta_of(k, v) for k, v in self.model.state_dict().items() if k not in skip]
-
-    def init_weight_group(self, addr: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the collective weight-sync group with the engine workers (they must join concurrently).
-        Nothing calls this yet (engines reload `export_weights` snapshots): it is the path multi-node runs will wire."""
+    def remove_path(self, path: str) -> None:
+        """Rank 0 removes a file or folder it wrote on its node (snapshots, the sentinel)."""
         if self.rank == 0:
-            from agentrl.weight_buckets import new_group
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
 
-            self._sync_group = new_group(detect().dist_backend, addr, port, 0, world_size)
+    def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
+        """Names, full shapes and dtypes of what `broadcast_weights` sends, as plain values (engines receive them
+        through vLLM's RPC): the receivers allocate from them."""
+        metas = weight_sync.weight_metas(weight_sync.sharded_named_params(self.model, self.tied), getattr(torch, dtype))
+        return [(m.name, list(m.shape), m.dtype) for m in metas]
 
-    def broadcast_weights(self, bucket_bytes: int) -> int:
-        """Collective gather of the full weights, then rank 0 broadcasts them bucket by bucket to the engine workers.
-        Not called by the pipeline, which exports safetensors: the collective path the multi-node work will wire."""
-        state = self.full_state_dict()
-        if self.rank == 0:
-            from agentrl.trainer.weight_sync import broadcast_state_dict
-
-            broadcast_state_dict(self._sync_group, hf_state_dict(state, self.tied), self.device, bucket_bytes)
-        dist.barrier()
-        return self.version
+    def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int) -> int:
+        """Collective: every rank gathers each parameter in turn; rank 0 joins the weight-sync group `where`
+        (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
+        Returns the bytes sent (rank 0)."""
+        named = weight_sync.sharded_named_params(self.model, self.tied)
+        group = self._sync_groups.get(SyncGroup(**where), rank=0) if self.rank == 0 else None
+        metas = weight_sync.weight_metas(named, getattr(torch, dtype))
+        return weight_sync.broadcast_weights(group, named, metas, bucket_bytes)
 
     def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
         opts = {"optim": self.opt}
@@ -550,8 +593,17 @@ class TrainerRank:
         return self.version
 
     def shutdown(self) -> None:
+        self._sync_groups.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _remove_older_snapshots(current: str) -> None:
+    """The writer cleans up: once `current` is written, earlier snapshots beside it are no longer read."""
+    parent, name = os.path.split(os.path.normpath(current))
+    for other in os.listdir(parent):
+        if other != name and other.startswith("v"):
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
 
 
 def _with_reward(s: Sample, reward: float) -> Sample:
