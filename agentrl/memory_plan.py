@@ -462,8 +462,8 @@ def _problems(plan: MemoryPlan, cfg: Config) -> list[str]:
 def check_memory_plan(cfg: Config, model_path: str) -> None:
     """Refuse (ConfigError, one line) a run whose plan cannot fit. Needs no Ray: `agentrl train` calls it before
     any actor starts. Not checked: a hub model whose dims are not known offline (the run will fetch it), and a
-    CPU driver joining a cluster (`ray_address` set), whose devices are elsewhere, unless AGENTRL_DEVICE_MEMORY
-    gives their size. AGENTRL_DEVICE_MEMORY=off skips the check."""
+    driver whose run's devices are elsewhere (a CPU driver joining a cluster, or `platform` naming devices this
+    node lacks), unless AGENTRL_DEVICE_MEMORY gives their size. AGENTRL_DEVICE_MEMORY=off skips the check."""
     forced = os.environ.get(DEVICE_MEMORY_ENV, "").lower()
     if forced in ("off", "0", "none"):
         return
@@ -473,11 +473,12 @@ def check_memory_plan(cfg: Config, model_path: str) -> None:
         return
     from agentrl.platform import detect
 
-    kind = detect().kind
-    if kind == "cpu" and cfg.ray_address is not None:
+    here = detect().kind
+    kind = here if cfg.platform == "auto" else cfg.platform
+    if kind != here or (kind == "cpu" and cfg.ray_address is not None):  # the run's devices are on other nodes
         if not forced:
             return
-        kind = "cuda"  # the cluster's devices, whose size AGENTRL_DEVICE_MEMORY gives
+        kind = "cuda" if kind == "cpu" else kind  # the cluster's devices, whose size AGENTRL_DEVICE_MEMORY gives
     mem, source = device_memory(kind)
     plan = make_plan(cfg, dims, kind, mem, source)
     if plan.problems:

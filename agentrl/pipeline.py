@@ -18,6 +18,7 @@ import shutil
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -66,6 +67,7 @@ class Pipeline:
         platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
         check_before_start(cfg, self.model_path, platform)
         self.trainer = TrainerGroup(cfg, self.model_path, platform=platform)
+        check_run_dir_shared(run_dir, self.trainer)
         self.engines = create_engines(cfg.rollout, self.model_path, seed=cfg.seed, platform=platform)
         self.router = start_router(self.engines, cfg.rollout, model_path=self.model_path, seed=cfg.seed)
         self.weights = WeightSync(cfg, self.trainer, self.router, platform)
@@ -313,6 +315,22 @@ class Pipeline:
         for handle in [*self.managers, self.router, *self.engines]:
             ray.kill(handle)
         self.engines.remove_placement()
+
+
+def check_run_dir_shared(run_dir: Path, trainer: TrainerGroup) -> None:
+    """Every trainer rank writes its checkpoint shards under the run dir and the driver the run state beside
+    them: on a cluster the folder must be one every rank's node sees, or a resume would find half a checkpoint."""
+    sentinel = run_dir / f".visible-{uuid.uuid4().hex[:8]}"
+    sentinel.write_text("agentrl run dir check\n")
+    try:
+        blind = [str(r) for r, ok in enumerate(trainer.can_read(str(sentinel))) if not ok]
+    finally:
+        sentinel.unlink(missing_ok=True)
+    if blind:
+        raise ConfigError(
+            f"run dir {run_dir} is not visible to trainer rank(s) {', '.join(blind)} (they run on another node): "
+            "checkpoints need a logging.run_dir on a filesystem every node shares"
+        )
 
 
 def train(cfg: Config, resume: str | None = None) -> int:

@@ -86,11 +86,6 @@ def check_cluster_resources(
         )
 
 
-def check_cluster_devices(cfg: Config, platform: Platform | None = None) -> None:
-    """The former name of `check_cluster_resources`, kept for callers."""
-    check_cluster_resources(cfg, platform)
-
-
 def init_ray(address: str | None) -> None:
     """Join or start Ray (once per process), handing every worker the run's user modules."""
     import ray

@@ -15,11 +15,11 @@ def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> N
     """A CUDA run (cfg.platform=cuda) against the real local Ray cluster, which has no GPU resource: the platform
     comes from the config and the cluster, so the check needs no GPU in this process."""
     cfg = Config.model_validate({"rollout": {"num_engines": 3}, "trainer": {"num_ranks": 2}})
-    startup.check_cluster_devices(cfg)  # auto on a cluster without GPU/NPU: CPU, the actors ask for no device
+    startup.check_cluster_resources(cfg)  # auto on a cluster without GPU/NPU: CPU, the actors ask for no device
     cuda = cfg.model_copy(update={"platform": "cuda"})
     t0 = time.monotonic()
     with pytest.raises(ConfigError) as err:
-        startup.check_cluster_devices(cuda)
+        startup.check_cluster_resources(cuda)
     assert time.monotonic() - t0 < 10
     message = str(err.value)
     assert "\n" not in message and message.startswith("the run needs 5 GPU (3 rollout engines x 1 + 2 trainer ranks)")
@@ -28,4 +28,4 @@ def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> N
         {"platform": "cuda", "rollout": {"backend": "remote", "url": "http://x", "num_engines": 3}}
     )
     with pytest.raises(ConfigError, match="needs 1 GPU \\(0 rollout engines x 1 \\+ 1 trainer ranks\\)"):
-        startup.check_cluster_devices(remote)
+        startup.check_cluster_resources(remote)

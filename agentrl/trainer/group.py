@@ -108,6 +108,11 @@ class TrainerGroup:
         """Rank 0 writes `path` after checking its folder has room for two snapshots in `dtype` (disk sync)."""
         self._get(self._call("write_sentinel", path, dtype))
 
+    def can_read(self, path: str) -> list[bool]:
+        """Per rank: whether its node sees `path`."""
+        self._check_pending()
+        return ray.get([a.can_read.remote(path) for a in self.ranks])
+
     def remove_path(self, path: str) -> None:
         """Rank 0 removes a file or folder it wrote (on its node, which may not be the driver's)."""
         self._get(self._call("remove_path", path))

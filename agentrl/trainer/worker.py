@@ -527,6 +527,11 @@ class TrainerRank:
         with open(path, "w") as f:
             f.write("agentrl weights_dir check\n")
 
+    @staticmethod
+    def can_read(path: str) -> bool:
+        """Whether this rank's node sees `path` (the shared run dir check)."""
+        return os.path.exists(path)
+
     def remove_path(self, path: str) -> None:
         """Rank 0 removes a file or folder it wrote on its node (snapshots, the sentinel)."""
         if self.rank == 0:
