@@ -64,7 +64,7 @@ class WeightSync:
         try:
             seen = ray.get([engine.can_read.remote(sentinel) for engine in engines])
         finally:
-            self.trainer.remove_path(sentinel)
+            self.trainer.remove_path(str(self.root))  # the first export makes it again; a refused run leaves none
         blind = [str(i) for i, ok in enumerate(seen) if not ok]
         if blind:
             raise ConfigError(

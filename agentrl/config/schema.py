@@ -169,7 +169,9 @@ class RolloutConfig(Section):
     weights_dir: str | None = Field(
         None, description="weight_sync=disk: a folder every node sees (default: /dev/shm, one node only)"
     )
-    weight_sync_timeout_s: PositiveFloat = Field(600.0, description="longest one weight broadcast may take")
+    weight_sync_timeout_s: PositiveFloat = Field(
+        300.0, description="longest one collective weight sync may take (an engine dying in it fails it then)"
+    )
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each engine asks for, e.g. to pin engines to nodes"
     )
