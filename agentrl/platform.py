@@ -86,6 +86,7 @@ class Platform:
             # vLLM's default pins OpenMP threads to cores; on small shared machines that fights the trainer.
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = "1"
+            env["THP_MEM_ALLOC_ENABLE"] = "1"  # huge pages for torch's large buffers (see worker_env)
         return env
 
 
@@ -196,4 +197,7 @@ def worker_env(platform: Platform | None = None) -> dict[str, str]:
     env = {"TOKENIZERS_PARALLELISM": "false"}
     if (platform or detect()).kind == "cpu":
         env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"})
+        # torch's large CPU buffers on transparent huge pages: where THP is "madvise" (common), first touches of a
+        # fresh weight bucket otherwise cost more than the copy (measured: collective sync of 400 MB 1.6 -> 0.65 s)
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     return env

@@ -113,15 +113,8 @@ class WeightSync:
             await updated
             return
         sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES)
-        done, _ = await asyncio.wait(
-            [asyncio.ensure_future(_await(updated)), asyncio.ensure_future(_await(sent))],
-            timeout=self.timeout_s + 30,
-            return_when=asyncio.FIRST_EXCEPTION,
-        )
-        for task in done:
-            task.result()
-        await _await(sent)
-        await _await(updated)
+        # both sides at once; the first failure ends the wait (the other side then times out in its group)
+        await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
 
     def close(self) -> None:
         """The writer removes its snapshots (on its own node)."""

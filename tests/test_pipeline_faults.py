@@ -98,6 +98,11 @@ def test_a_killed_engine_is_restarted_and_a_run_with_none_left_stops_with_a_chec
     run.wait_for(lambda: any("restarted" in line for line in run.lines), "restart line", timeout=240)
     trained = run.steps()
     run.wait_for(lambda: run.steps() > trained + 1, "training on the restarted engine", timeout=240)
+    # weights come over the collective: the restarted engine got the current ones by a sync at once, and the
+    # batches it sampled match the trainer's log-probs (a restart on the initial weights would not)
+    assert any("has the new weights and serves again" in line for line in run.lines), run.lines[-20:]
+    after = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "train/loss" in r][trained + 1 :]
+    assert after and all(r["train/rollout_logprob_diff"] < 1e-3 for r in after), after
     assert run.kill_engine() >= 1
     killed = time.monotonic()
     code = run.finish(timeout=180)

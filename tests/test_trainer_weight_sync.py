@@ -13,7 +13,7 @@ import torch
 
 from agentrl.rollout.vllm_worker import receive_state_dict
 from agentrl.trainer.weight_sync import broadcast_weights
-from agentrl.weight_buckets import meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
+from agentrl.weight_buckets import PackBuffer, meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -57,7 +57,8 @@ def test_broadcast_over_gloo_between_processes() -> None:
     try:
         group = new_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=60)
         named = list(_state().items())
-        sent = broadcast_weights(group, named, [meta_of(k, v) for k, v in named], bucket_bytes=256)
+        metas = [meta_of(k, v) for k, v in named]
+        sent = broadcast_weights(group, named, metas, bucket_bytes=256, buffer=PackBuffer())  # one buffer, 4 buckets
         assert sent == sum(v.numel() * v.element_size() for _, v in named)
         got = queue.get(timeout=60)
     finally:

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, TensorMeta, pack_bucket, plan_buckets
+from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, PackBuffer, TensorMeta, pack_bucket, plan_buckets
 
 
 def sharded_named_params(model: torch.nn.Module, tied: bool) -> list[tuple[str, torch.Tensor]]:
@@ -46,25 +46,39 @@ def stream_weights(
     named: list[tuple[str, torch.Tensor]],
     metas: list[TensorMeta],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    buffer: PackBuffer | None = None,
 ) -> Iterator[torch.Tensor | None]:
-    """Per bucket: the packed flat bucket on rank 0's device (None on the other ranks, which only take part in
-    the gathers). Every rank must run it to the end."""
+    """Per bucket: the packed flat bucket on rank 0's device, in `buffer` when given (each bucket overwrites the
+    previous one: send it before taking the next); None on the other ranks, which only take part in the gathers.
+    Every rank must run it to the end."""
     import torch.distributed as dist
 
     by_name = dict(named)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for bucket in plan_buckets(metas, bucket_bytes):
         parts = [full_tensor(by_name[m.name]).to(m.torch_dtype) for m in bucket]
-        yield pack_bucket(parts) if rank0 else None
+        if not rank0:
+            yield None
+            continue
+        out = (
+            None
+            if buffer is None
+            else buffer.take(sum(m.numel for m in bucket), bucket[0].torch_dtype, parts[0].device)
+        )
+        yield pack_bucket(parts, out)
 
 
 def broadcast_weights(
-    group, named: list[tuple[str, torch.Tensor]], metas: list[TensorMeta], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group,
+    named: list[tuple[str, torch.Tensor]],
+    metas: list[TensorMeta],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    buffer: PackBuffer | None = None,
 ) -> int:
     """Collective over the trainer ranks: rank 0 (rank 0 of `group` too) sends each bucket; the other ranks pass
     group None and only take part in the gathers. Returns the bytes rank 0 sent."""
     sent = 0
-    for flat in stream_weights(named, metas, bucket_bytes):
+    for flat in stream_weights(named, metas, bucket_bytes, buffer):
         if flat is not None:
             group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()

@@ -44,7 +44,7 @@ from agentrl.trainer.model import forward_logprobs, forward_values, uses_flash_a
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.sharding import build_sharded
 from agentrl.types import Sample
-from agentrl.weight_buckets import GroupCache, SyncGroup
+from agentrl.weight_buckets import GroupCache, PackBuffer, SyncGroup
 
 RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
            "is_truncated", "value_loss")  # fmt: skip
@@ -152,6 +152,7 @@ class TrainerRank:
             device_module.set_device(self.device)
         self.plat = plat
         self._sync_groups = GroupCache()  # rank 0's group with the engine workers (collective weight sync)
+        self._pack_buffer = PackBuffer()  # rank 0's bucket buffer, reused across buckets and syncs
 
     def setup(self, addr: str, port: int) -> int:
         """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
@@ -553,7 +554,7 @@ class TrainerRank:
         named = weight_sync.sharded_named_params(self.model, self.tied)
         group = self._sync_groups.get(SyncGroup(**where), rank=0) if self.rank == 0 else None
         metas = weight_sync.weight_metas(named, getattr(torch, dtype))
-        return weight_sync.broadcast_weights(group, named, metas, bucket_bytes)
+        return weight_sync.broadcast_weights(group, named, metas, bucket_bytes, self._pack_buffer)
 
     def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
         opts = {"optim": self.opt}
