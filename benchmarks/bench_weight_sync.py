@@ -1,7 +1,7 @@
 """Seconds per weight sync, trainer -> vLLM-CPU engine, for the disk and collective paths, against one in-memory
 copy of the same weights (issue 15; target: a collective sync within 2x of one copy).
 
-    python benchmarks/bench_weight_sync.py [--models tiny 100m] [--syncs 5] [--copies 5] [--thp]
+    python benchmarks/bench_weight_sync.py [--models tiny 100m] [--syncs 5] [--copies 5]
 
 Per model (the tiny builtin and a ~100M-parameter random Qwen3 of the same architecture, built into a temp dir):
 1 trainer rank (FSDP2, gloo), 1 vLLM-CPU engine (float32), the router in front, `WeightSync.sync` end to end.
@@ -12,8 +12,8 @@ Per model (the tiny builtin and a ~100M-parameter random Qwen3 of the same archi
   trainer-side gather + cast + pack alone, refresh_cpu_gemm alone), the disk path (export alone, the engine's
   reload_weights from the snapshot alone), and the engine's reload_weights from tensors already in its memory
   (the floor of any path that loads through vLLM's in-place reload).
---thp: THP_MEM_ALLOC_ENABLE=1 in every process (torch's large CPU buffers on transparent huge pages: the fresh
-  256 MiB buckets both ends allocate per sync then fault in far faster).
+Trainer ranks and engines run with THP_MEM_ALLOC_ENABLE=1 (agentrl's CPU worker environment): without it, the
+fresh buckets the receiver allocates per sync fault in page by page and the collective path took 2.5x longer.
 The 100m model lives in a temp dir (removed at the end); the benchmark's engine allows vLLM to receive a pickled
 function (VLLM_ALLOW_INSECURE_SERIALIZATION=1) for the in-memory reload probe.
 Prints one JSON object, also as the last line of stdout. The machine is shared: re-run before trusting a number.
@@ -284,17 +284,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--syncs", type=int, default=5, help="timed syncs per path (after one warm-up)")
     ap.add_argument("--copies", type=int, default=5, help="timed in-memory copies")
-    ap.add_argument(
-        "--thp",
-        action="store_true",
-        help="THP_MEM_ALLOC_ENABLE=1 in every process (torch's large CPU allocations on transparent huge pages)",
-    )
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if args.thp:  # before ray.init: the local raylet, hence every actor and vLLM's engine core, inherit it
-        os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
     result: dict[str, Any] = {"syncs": args.syncs, "cpus": os.cpu_count(), "engines": 1, "trainer_ranks": 1}
-    result["thp_mem_alloc"] = os.environ.get("THP_MEM_ALLOC_ENABLE", "0") == "1"
     tmp = tempfile.mkdtemp(prefix="agentrl-bench-ws-")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
