@@ -19,6 +19,7 @@ class ModelConfig(Section):
     path: str = Field("builtin:tiny", description="HF model dir, hub id, or builtin:NAME (built on first use)")
     tokenizer: str | None = Field(None, description="tokenizer path; defaults to the model path")
     cache_dir: str = Field("~/.cache/agentrl/models", description="where builtin models are built")
+    revision: str | None = Field(None, description="hub revision (branch, tag or commit) when path is a hub id")
 
 
 class EnvConfig(Section):
