@@ -7,12 +7,16 @@ run the same code with another backend; they are checked only on a device.
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import socket
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from agentrl.rollout.vllm_worker import receive_state_dict
 from agentrl.trainer.weight_sync import broadcast_weights
+from agentrl.trainer.worker import TrainerRank
 from agentrl.weight_buckets import PackBuffer, meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
 
 
@@ -69,3 +73,19 @@ def test_broadcast_over_gloo_between_processes() -> None:
     assert got.keys() == expected.keys()
     for k in expected:
         assert torch.equal(got[k], expected[k])
+
+
+def test_disk_sync_refuses_a_weights_dir_without_room_for_two_snapshots(tmp_path, monkeypatch):
+    """A container's default 64 MB /dev/shm is a folder, so an is_dir check passes and the first export fails
+    mid-run: the start-up sentinel also checks the free space. The free space is faked (shutil.disk_usage) since
+    no small filesystem can be mounted here; the rank is the real method on a stand-in holding a real model."""
+    rank = SimpleNamespace(rank=0, model=torch.nn.Linear(1024, 1024))  # ~1M params: two fp32 snapshots ~8 MiB
+    sentinel = tmp_path / "w" / ".sentinel"
+    real = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=64 << 10))
+    with pytest.raises(RuntimeError, match=r"MiB free and two weight snapshots need 8 MiB"):
+        TrainerRank.write_sentinel(rank, str(sentinel), "float32")
+    assert not sentinel.exists()
+    monkeypatch.setattr(shutil, "disk_usage", real)
+    TrainerRank.write_sentinel(rank, str(sentinel), "bfloat16")
+    assert sentinel.exists()
