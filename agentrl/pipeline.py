@@ -31,6 +31,7 @@ from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.config import Config, ConfigError, dump_yaml
 from agentrl.envmanager.manager import FirstOfKind, evaluate, start_managers
 from agentrl.metrics import MetricsSink
+from agentrl.models.hub import model_ref
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import cluster_platform, configure_cpu_threads
 from agentrl.rollout.fleet import create_engines, start_created, start_router
@@ -63,18 +64,20 @@ class Pipeline:
     def __init__(self, cfg: Config, run_dir: Path):
         self.cfg = cfg
         self.run_dir = run_dir
-        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+        self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
+        # What actors get: a hub id stays one, resolved by each actor on its own node (a snapshot path is this one's)
+        ref = model_ref(cfg.model.path, cfg.model.revision, self.model_path)
         platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
         check_before_start(cfg, self.model_path, platform)
-        self.trainer = TrainerGroup(cfg, self.model_path, platform=platform)
+        self.trainer = TrainerGroup(cfg, ref, platform=platform)
         check_run_dir_shared(run_dir, self.trainer)
-        self.engines = create_engines(cfg.rollout, self.model_path, seed=cfg.seed, platform=platform)
-        self.router = start_router(self.engines, cfg.rollout, model_path=self.model_path, seed=cfg.seed)
+        self.engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
+        self.router = start_router(self.engines, cfg.rollout, model_path=ref, seed=cfg.seed)
         self.weights = WeightSync(cfg, self.trainer, self.router, platform)
         self.weights.check(self.engines)  # weights can reach every engine, or one line before any loads a model
         start_created(self.engines)
         self.reward_pool = self._reward_pool()
-        self.managers = start_managers(cfg, self.model_path, self.router, self.reward_pool)
+        self.managers = start_managers(cfg, ref, self.router, self.reward_pool)
         train = cfg.envs.train
         self.group_sizes = {tag: spec.group_size for tag, spec in train.items()}
         self.buffer = SampleBuffer(

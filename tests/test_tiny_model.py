@@ -76,7 +76,9 @@ def test_builtin_path_builds_once_into_cache(tmp_path):
     path = resolve_model_path("builtin:tiny", cache_dir=str(tmp_path))
     assert resolve_model_path("builtin:tiny", cache_dir=str(tmp_path)) == path
     assert len([p for p in tmp_path.iterdir() if p.is_dir()]) == 1
-    assert resolve_model_path("/some/hf/dir") == "/some/hf/dir"
+    assert resolve_model_path(str(tmp_path)) == str(tmp_path)  # a local folder: as is
+    with pytest.raises(ValueError, match="neither a local folder nor a hub id"):  # ConfigError is a ValueError
+        resolve_model_path("/some/hf/dir")
     with pytest.raises(ValueError, match="unknown builtin model"):
         resolve_model_path("builtin:huge", cache_dir=str(tmp_path))
 

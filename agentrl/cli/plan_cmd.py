@@ -32,7 +32,7 @@ def _plan(args: argparse.Namespace) -> int:
     from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
-    dims = mp.load_dims(resolve_model_path(cfg.model.path, cfg.model.cache_dir), args.params)
+    dims = mp.load_dims(resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision), args.params)
     from agentrl.platform import detect
 
     detected = detect().kind

@@ -28,8 +28,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     pl.set_defaults(func=_plot)
 
 
-def _fleet(cfg, model_path: str) -> list:
-    """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`)."""
+def _fleet(cfg, model_path: str, ref: str | None = None) -> list:
+    """Engines, router and `envs.num_managers` env managers (the same wiring as `agentrl train`). `ref`: what the
+    actors get instead of the local `model_path` (a hub id, which each resolves on its own node)."""
     from agentrl.envmanager.manager import start_managers
     from agentrl.platform import cluster_platform
     from agentrl.rollout.fleet import start_engines, start_router
@@ -38,17 +39,20 @@ def _fleet(cfg, model_path: str) -> list:
     init_ray(cfg.ray_address)
     platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (maybe GPU-less) node's
     check_before_start(cfg, model_path, platform)
-    engines = start_engines(cfg.rollout, model_path, seed=cfg.seed, platform=platform)
-    router = start_router(engines, cfg.rollout, model_path=model_path, seed=cfg.seed)
-    return start_managers(cfg, model_path, router)
+    ref = ref or model_path
+    engines = start_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
+    router = start_router(engines, cfg.rollout, model_path=ref, seed=cfg.seed)
+    return start_managers(cfg, ref, router)
 
 
 def _rollout(args: argparse.Namespace) -> int:
     from agentrl.envmanager.manager import episode_spec
+    from agentrl.models.hub import model_ref
     from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
-    managers = _fleet(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    local = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
+    managers = _fleet(cfg, local, model_ref(cfg.model.path, cfg.model.revision, local))
     envs = cfg.envs.val if args.split == "val" else cfg.envs.train
     tags = list(envs.items())
     specs = []
@@ -71,10 +75,15 @@ def _rollout(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     from agentrl.envmanager.manager import evaluate
+    from agentrl.models.hub import model_ref
     from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
-    managers = _fleet(cfg, args.checkpoint or resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    if args.checkpoint:
+        managers = _fleet(cfg, args.checkpoint)
+    else:
+        local = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
+        managers = _fleet(cfg, local, model_ref(cfg.model.path, cfg.model.revision, local))
     for key, value in sorted(asyncio.run(evaluate(cfg, managers)).items()):
         print(f"{key}: {value:.4f}")
     return 0

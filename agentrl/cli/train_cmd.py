@@ -21,7 +21,7 @@ def _train(args: argparse.Namespace) -> int:
     from agentrl.models.tiny import resolve_model_path
 
     # A plan that cannot fit is refused here, before Ray starts any actor (see `agentrl plan`).
-    check_memory_plan(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir))
+    check_memory_plan(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision))
     from agentrl.pipeline import train
 
     return train(cfg, resume=args.resume)

@@ -229,7 +229,7 @@ def _offline() -> bool:
     return any(f in ("1", "true", "yes", "on") for f in flags)
 
 
-def check_model_path(key: str, path: str, marker: str = "config.json") -> None:
+def check_model_path(key: str, path: str, marker: str = "config.json", revision: str | None = None) -> None:
     """`builtin:tiny`, a local Hugging Face directory (holding `marker`), or a hub id. Caught here because the
     engines and trainer would fail tens of seconds later with a long OSError. A path that looks local (absolute,
     ./, ../, ~) or exists is local; anything else is a hub id, which must be in the local cache when the hub is
@@ -248,12 +248,15 @@ def check_model_path(key: str, path: str, marker: str = "config.json") -> None:
     if _offline():
         from huggingface_hub import try_to_load_from_cache
 
-        if not isinstance(try_to_load_from_cache(path, marker), str):
+        from agentrl.models.hub import hub_cache_dir, split_ref
+
+        repo_id, pinned = split_ref(path)
+        if not isinstance(try_to_load_from_cache(repo_id, marker, hub_cache_dir(), pinned or revision), str):
             raise ConfigError(f"{key}: {path!r} is no local directory, and no hub model in the local cache (offline)")
 
 
 def check_model_paths(cfg: Config) -> None:
-    check_model_path("model.path", cfg.model.path)
+    check_model_path("model.path", cfg.model.path, revision=cfg.model.revision)
     if cfg.model.tokenizer is not None:
         check_model_path("model.tokenizer", cfg.model.tokenizer, "tokenizer_config.json")
 

@@ -80,9 +80,10 @@ class EnvManager:
         self.router = router
         self.reward_pool = reward_pool
         self.log_failure = FirstOfKind(f"env manager {index}")
+        from agentrl.models.tiny import resolve_model_path  # a hub id: a snapshot in this node's HF cache
         from agentrl.tools import parse_tool_calls
 
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or model_path)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or resolve_model_path(model_path))
         self.runner = EpisodeRunner(
             tokenizer,
             self._generate,
@@ -221,9 +222,11 @@ def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any =
     """`envs.num_managers` EnvManager actors (async, no CPU reservation: they wait on engines and envs)."""
     import ray
 
+    from agentrl.models.hub import hub_env
     from agentrl.platform import worker_env
 
-    cls = ray.remote(EnvManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()})
+    env = {**worker_env(), **hub_env()}
+    cls = ray.remote(EnvManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": env})
     return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]
 
 

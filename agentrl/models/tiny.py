@@ -181,10 +181,20 @@ def _cache_key(spec: TinySpec) -> str:
     return _KEYS[memo]
 
 
-def resolve_model_path(path: str, cache_dir: str = "~/.cache/agentrl/models") -> str:
-    """`builtin:tiny` -> a built model dir (built once, under a lock); anything else is returned as is."""
-    if not path.startswith("builtin:"):
+def resolve_model_path(path: str, cache_dir: str = "~/.cache/agentrl/models", revision: str | None = None) -> str:
+    """A local folder on this node for `model.path`: an existing path is returned as is; `builtin:tiny` -> a built
+    model dir (built once, under a lock); a hub id `org/name` (or `org/name@revision`, as `model_ref` hands it to
+    actors) -> its snapshot at `revision` in this node's HF cache (see agentrl.models.hub); else a ConfigError."""
+    from agentrl.models import hub
+
+    if Path(path).expanduser().exists():
         return path
+    if hub.is_hub_id(path):
+        return hub.snapshot_path(path, revision)
+    if not path.startswith("builtin:"):
+        from agentrl.config.loader import ConfigError
+
+        raise ConfigError(f"model.path {path} is neither a local folder nor a hub id (org/name)")
     name = path.split(":", 1)[1]
     if name != "tiny":
         raise ValueError(f"unknown builtin model {name!r} (known: tiny)")

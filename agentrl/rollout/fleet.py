@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from agentrl.config.schema import RolloutConfig
+from agentrl.models.hub import hub_env
 from agentrl.placement import Placement, create_placement
 from agentrl.platform import Platform, cluster_platform
 from agentrl.rollout.router import EngineFactory, Router
@@ -86,7 +87,7 @@ def engine_options(cfg: RolloutConfig, platform: Platform, placement: Placement 
     env = (
         platform.actor_env()
         if cfg.backend == "remote"
-        else {**platform.vllm_env(cfg.kv_cache_gib), **platform.actor_env()}
+        else {**platform.vllm_env(cfg.kv_cache_gib), **platform.actor_env(), **hub_env()}
     )
     return {"max_concurrency": 4096, **slot.options(index), "runtime_env": {"env_vars": env}}
 

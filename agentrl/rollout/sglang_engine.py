@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from agentrl.config.schema import SamplingConfig
+from agentrl.models.tiny import resolve_model_path
 from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
 from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
 
@@ -34,6 +35,7 @@ class SGLangEngine(GatedEngine):
     ):
         super().__init__(version)
         del kv_cache_gib  # a CPU-only knob; SGLang sizes its cache from mem_fraction_static
+        model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
         self._engine_args: dict[str, Any] = {
             "model_path": model_path,
@@ -54,6 +56,9 @@ class SGLangEngine(GatedEngine):
     async def start(self) -> dict[str, Any]:
         """Build the sglang.Engine (lazy import: SGLang needs CUDA); idempotent."""
         if self._engine is None:
+            from agentrl.rollout.api_guard import check_sglang
+
+            check_sglang()  # one-line EngineError when the installed SGLang lacks an API we call
             import sglang
 
             t0 = time.perf_counter()

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from agentrl.config.schema import SamplingConfig
+from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import detect
 from agentrl.rollout.base import (
     Completion,
@@ -45,6 +46,7 @@ class VLLMEngine(GatedEngine):
         self.platform = detect()
         for key, value in self.platform.vllm_env(kv_cache_gib).items():
             os.environ.setdefault(key, value)
+        model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
         derived = dict(
             model=model_path,
@@ -75,6 +77,9 @@ class VLLMEngine(GatedEngine):
     async def start(self) -> dict[str, Any]:
         """Build the AsyncLLM (10-20 s on CPU); idempotent."""
         if self._llm is None:
+            from agentrl.rollout.api_guard import check_vllm
+
+            check_vllm(self.platform.kind)  # one-line EngineError when the installed vLLM lacks an API we call
             from vllm import AsyncEngineArgs
             from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -134,7 +139,7 @@ class VLLMEngine(GatedEngine):
         if isinstance(source, dict):
             await self._receive_weights(source)
         else:
-            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": source})
+            await self._llm.collective_rpc("reload_from_path", kwargs={"weights_path": source})
         if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
             await self._llm.collective_rpc("refresh_cpu_gemm")
         await self._llm.reset_prefix_cache()

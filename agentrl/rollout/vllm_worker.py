@@ -45,6 +45,11 @@ class AgentrlWorkerExtension:
                 refreshed += 1
         return refreshed
 
+    def reload_from_path(self, weights_path: str) -> None:
+        """The disk weight sync: the model runner's in-place reload from a safetensors folder. Called here, not as
+        the worker's own `reload_weights`, which some builds lack (vllm-ascend 0.23's NPUWorker)."""
+        self.model_runner.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+
     def receive_weights(self, group: dict, first_rank: int, metas: list, bucket_bytes: int) -> int:
         """Join (or reuse) the weight-sync group `group` (`SyncGroup` fields), receive every bucket and load it.
         `metas` are (name, shape, dtype) triples: plain values travel through vLLM's RPC on every version."""

@@ -16,6 +16,7 @@ from typing import Any
 import ray
 
 from agentrl.config.schema import Config
+from agentrl.models.hub import hub_env, model_ref
 from agentrl.models.tiny import resolve_model_path
 from agentrl.placement import create_placement
 from agentrl.platform import Platform, cluster_platform, worker_env
@@ -29,10 +30,12 @@ class TrainerGroup:
     def __init__(self, cfg: Config, model_path: str | None = None, platform: Platform | None = None) -> None:
         """`platform`: the run's (default: from cfg.platform and the Ray cluster's resources, not this node's)."""
         self.cfg = cfg
-        path = resolve_model_path(model_path or cfg.model.path, cfg.model.cache_dir)
+        source, revision = model_path or cfg.model.path, None if model_path else cfg.model.revision
+        path = resolve_model_path(source, cfg.model.cache_dir, revision)
         self.model_path = path
         plat = platform or cluster_platform(cfg.platform)
-        self.ranks = self._create_ranks(cfg, path, plat)
+        # a hub id reaches the ranks as one (each resolves it on its own node): a snapshot path is only the driver's
+        self.ranks = self._create_ranks(cfg, model_ref(source, revision, path), plat)
         self._pending: list[ray.ObjectRef] = []
         self._version = 0  # the ranks count it too; the driver tracks it so reading it costs no round trip
         # Rank 0 hosts the rendezvous, wherever Ray placed it (multi-node safe).
@@ -48,7 +51,7 @@ class TrainerGroup:
         n = cfg.trainer.num_ranks
         self._placement = create_placement(plat, 1.0, cfg.trainer.ray_resources, n, name="trainer ranks")
         weakref.finalize(self, self._placement.remove)
-        env = {**worker_env(plat), **plat.actor_env()}
+        env = {**worker_env(plat), **plat.actor_env(), **hub_env()}
         if os.environ.get("AGENTRL_STRICT_DEVICES"):  # device-placement checks (worker.py), e.g. on a device run
             env["AGENTRL_STRICT_DEVICES"] = os.environ["AGENTRL_STRICT_DEVICES"]
         cls = ray.remote(TrainerRank)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.config.schema import Config
+from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
 from agentrl.trainer import losses, weight_sync
@@ -156,6 +157,7 @@ class TrainerRank:
 
     def setup(self, addr: str, port: int) -> int:
         """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
+        self.model_path = resolve_model_path(self.model_path)  # a hub id: a snapshot in this node's HF cache
         plat, model_path = self.plat, self.model_path
         dist.init_process_group(
             plat.process_group_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
