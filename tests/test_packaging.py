@@ -1,4 +1,5 @@
-"""Packaging: envs/, tools/, reward/ install under the agentrl namespace only, in a real (non-editable) install."""
+"""Packaging: envs/, tools/, reward/, examples/ install under the agentrl namespace only, in a real (non-editable)
+install; the example configs ship as package data."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ from pathlib import Path
 import tomllib
 
 ROOT = Path(__file__).parents[1]
-MAPPING = {"agentrl": "agentrl", "agentrl.envs": "envs", "agentrl.tools": "tools", "agentrl.reward": "reward"}
+MAPPING = {
+    "agentrl": "agentrl",
+    "agentrl.envs": "envs",
+    "agentrl.tools": "tools",
+    "agentrl.reward": "reward",
+    "agentrl.examples": "examples",
+}
 
 
 def _package_folders() -> set[str]:
@@ -55,6 +62,12 @@ def test_wheel_install_maps_namespaces(tmp_path):
     ok = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip().startswith(str(target))
-    for name in ("envs", "tools", "reward"):
+    code = "from agentrl.config.loader import packaged_examples; print(*packaged_examples().values(), sep=chr(10))"
+    found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    shipped = sorted(Path(line) for line in found.stdout.splitlines())
+    assert [p.name for p in shipped] == sorted(p.name for p in (ROOT / "examples").glob("*.yaml"))
+    assert all(p.is_relative_to(target / "agentrl" / "examples") for p in shipped), shipped
+    for name in ("envs", "tools", "reward", "examples"):
         bad = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, env=env, capture_output=True)
         assert bad.returncode != 0, f"`import {name}` must not work"

@@ -25,6 +25,7 @@ COMMAND_MODULES = [
     "envs_cmd",
     "tools_cmd",
     "export_cmd",
+    "examples_cmd",
 ]
 
 

@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 from agentrl.cli import UsageError
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("export", parents=[common], help="write a HF model dir (transformers, vLLM) from a checkpoint")
-    p.add_argument("checkpoint", help="checkpoint directory written by the trainer (save_checkpoint)")
+    p.add_argument(
+        "checkpoint", help="a run dir (its latest checkpoint), a step dir (checkpoints/step-N) or its trainer/ folder"
+    )
     p.add_argument("out_dir", help="output directory (config, tokenizer, model.safetensors)")
     p.set_defaults(func=_export)
 
 
 def _export(args: argparse.Namespace) -> int:
+    from agentrl.checkpoint_paths import CheckpointPathError, resolve_model_source
     from agentrl.trainer.checkpoint import export_hf
 
-    ckpt = Path(args.checkpoint)
-    if not (ckpt / ".metadata").exists() or not (ckpt / "hf" / "config.json").exists():
-        raise UsageError(f"{ckpt} is not an agentrl trainer checkpoint (no .metadata or hf/config.json)")
+    try:
+        source = resolve_model_source(args.checkpoint)
+    except CheckpointPathError as err:
+        raise UsageError(str(err)) from None
+    if source.kind == "hf":
+        raise UsageError(f"{source.path} is already a Hugging Face model dir: nothing to export (use it as it is)")
     start = time.perf_counter()
-    out = export_hf(ckpt, args.out_dir)
-    print(f"exported {ckpt} -> {out} ({time.perf_counter() - start:.1f}s)")
+    out = export_hf(source.path, args.out_dir)
+    print(f"exported {source.path} -> {out} ({time.perf_counter() - start:.1f}s)")
     return 0

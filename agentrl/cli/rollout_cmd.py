@@ -7,6 +7,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from agentrl.cli import UsageError
 from agentrl.config import load_config
 
 
@@ -21,7 +22,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     e = sub.add_parser("eval", parents=[common], help="held-out success and return per env tag")
     e.add_argument("config")
     e.add_argument("overrides", nargs="*")
-    e.add_argument("--checkpoint", help="a Hugging Face model dir (e.g. from `agentrl export`)")
+    e.add_argument(
+        "--checkpoint",
+        help="a run dir (its latest checkpoint), a step dir (checkpoints/step-N or its trainer/) or a HF model dir",
+    )
     e.set_defaults(func=_eval)
     pl = sub.add_parser("plot", parents=[common], help="write PNG curves of a run's metrics")
     pl.add_argument("run_dir")
@@ -80,13 +84,27 @@ def _eval(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.checkpoint:
-        managers = _fleet(cfg, args.checkpoint)
+        managers = _fleet(cfg, str(_checkpoint_model_dir(args.checkpoint)))
     else:
         local = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
         managers = _fleet(cfg, local, model_ref(cfg.model.path, cfg.model.revision, local))
     for key, value in sorted(asyncio.run(evaluate(cfg, managers)).items()):
         print(f"{key}: {value:.4f}")
     return 0
+
+
+def _checkpoint_model_dir(path: str) -> Path:
+    """The HF model dir `--checkpoint` names (a trainer checkpoint is exported next to itself first)."""
+    from agentrl.checkpoint_paths import CheckpointPathError, hf_dir_for_eval, resolve_model_source
+
+    try:
+        source = resolve_model_source(path)
+    except CheckpointPathError as err:
+        raise UsageError(str(err)) from None
+    model_dir = hf_dir_for_eval(source)
+    if source.kind == "trainer":
+        print(f"evaluating {source.path} (as the HF model dir {model_dir})")
+    return model_dir
 
 
 def _plot(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from agentrl.config.loader import resolve_config_path
     from agentrl.tools.serve import ServeError, check_bind, load_tools_file, serve
     from agentrl.tools.server import ServerLimits
 
@@ -37,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
             raise UsageError(f"--{flag.replace('_', '-')} must be at least 1")
     try:
         check_bind(args.host, token)  # before loading tools: fail fast and cheap
-        tools = load_tools_file(args.tools_file)
+        tools = load_tools_file(resolve_config_path(args.tools_file))
     except ServeError as err:
         raise UsageError(str(err)) from None
     limits = ServerLimits(

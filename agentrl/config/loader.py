@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import types
 import typing
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -175,13 +177,43 @@ def validate(data: dict[str, Any]) -> Config:
         raise _format_validation_error(err) from None
 
 
+def packaged_examples() -> dict[str, Path]:
+    """The example configs shipped in the package (`agentrl.examples`, the repo's examples/): name -> file."""
+    try:
+        folder = resources.files("agentrl.examples")
+    except ModuleNotFoundError:  # an editable install made before the examples were packaged
+        return {}
+    found = {Path(entry.name).stem: Path(str(entry)) for entry in folder.iterdir() if entry.name.endswith(".yaml")}
+    return dict(sorted(found.items()))
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config argument -> the file to read: the path as given when it exists; else, for a bare name (no
+    directory part, with or without .yaml), the packaged example of that name, announced on stderr; else the
+    path as given (the caller reports it missing)."""
+    p = Path(path)
+    text = str(path)
+    if p.is_file() or os.sep in text or (os.altsep and os.altsep in text):
+        return p
+    name = text[: -len(".yaml")] if text.endswith(".yaml") else text
+    example = packaged_examples().get(name)
+    if example is None:
+        return p
+    print(f"agentrl: using the packaged example {example}", file=sys.stderr)
+    return example
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """YAML file (or the defaults) + overrides -> validated Config; raises ConfigError on any mistake."""
+    """YAML file (or the defaults) + overrides -> validated Config; raises ConfigError on any mistake.
+
+    `path` may also name a packaged example (`agentic_sokoban` or `agentic_sokoban.yaml`) when no such file
+    exists here: see resolve_config_path."""
     raw: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
+        p = resolve_config_path(path)
         if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+            names = ", ".join(packaged_examples()) or "none installed"
+            raise ConfigError(f"config file not found: {p} (packaged examples: {names})")
         try:
             raw = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as err:

@@ -1,0 +1,1 @@
+"""Example run configs, installed as `agentrl.examples` (package data): `agentrl examples` lists them."""
