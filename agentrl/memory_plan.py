@@ -151,6 +151,16 @@ def dims_for_params(count: int) -> ModelDims:
     return _known(name, f"--params {count / 1e9:.2g}B: shape of {name}, the nearest built-in model")
 
 
+def plan_model_path(cfg: Config) -> str:
+    """The model the plan reads, never downloaded: `builtin:` models are built, a hub id stays one (`load_dims`
+    reads its cached config.json or known dims), a local folder is itself."""
+    from agentrl.models.hub import is_hub_id
+    from agentrl.models.tiny import resolve_model_path
+
+    path = cfg.model.path
+    return path if is_hub_id(path) else resolve_model_path(path, cfg.model.cache_dir, cfg.model.revision)
+
+
 def load_dims(path: str, params: str | None = None) -> ModelDims:
     """The model's dims without downloading: a local dir's config.json, a hub id's cached config.json, built-in
     dims of a well-known hub id, or the shape nearest to `params`. ConfigError (one line) when none applies."""

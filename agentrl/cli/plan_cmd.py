@@ -29,10 +29,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def _plan(args: argparse.Namespace) -> int:
     from agentrl import memory_plan as mp
     from agentrl.cli import UsageError
-    from agentrl.models.tiny import resolve_model_path
 
     cfg = load_config(args.config, args.overrides)
-    dims = mp.load_dims(resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision), args.params)
+    dims = mp.load_dims(mp.plan_model_path(cfg), args.params)
     from agentrl.platform import detect
 
     detected = detect().kind

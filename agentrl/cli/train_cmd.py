@@ -17,11 +17,10 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config mistakes first, before the slow imports
-    from agentrl.memory_plan import check_memory_plan
-    from agentrl.models.tiny import resolve_model_path
+    from agentrl.memory_plan import check_memory_plan, plan_model_path
 
     # A plan that cannot fit is refused here, before Ray starts any actor (see `agentrl plan`).
-    check_memory_plan(cfg, resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision))
+    check_memory_plan(cfg, plan_model_path(cfg))
     from agentrl.pipeline import train
 
     return train(cfg, resume=args.resume)
