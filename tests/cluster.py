@@ -36,6 +36,7 @@ from tests.servers import free_port
 HEAD_RESOURCE = "node_head"
 WORKER_RESOURCE = "node_worker"
 MARKER_VAR = "AGENTRL_TEST_CLUSTER"
+REPO = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
 
 
@@ -225,11 +226,18 @@ def two_node_cluster(num_cpus: int = 8, start_timeout_s: float = 90.0) -> Iterat
     worker_ray = [ray_bin, "start", f"--address={address}", "--temp-dir=/tmp/ray",
                   f"--resources={json.dumps({WORKER_RESOURCE: 100})}", *common]  # fmt: skip
     # Private copies of / (so the new mounts stay here), fresh /dev/shm and /tmp, another working directory.
-    # The raylet and its workers are descendants of this shell, so they stay in the namespace.
-    script = (
-        "set -e; mount --make-rprivate /; mount -t tmpfs tmpfs /dev/shm; mount -t tmpfs tmpfs /tmp; "
-        f"cd {shlex.quote(str(worker_cwd))}; exec {shlex.join(worker_ray)}"
-    )
+    # The raylet and its workers are descendants of this shell, so they stay in the namespace. A checkout (or its
+    # virtualenv) that itself lives under /tmp, as a CI clone may, is bound back over the fresh /tmp: the second
+    # node runs the same code, as a real node with the same install would.
+    keep = sorted({p for p in (str(REPO), sys.prefix) if p == "/tmp" or p.startswith("/tmp/")})
+    hold = [root / f"hold{i}" for i in range(len(keep))]
+    script = "; ".join([
+        "set -e", "mount --make-rprivate /",
+        *(f"mkdir -p {h} && mount --bind {shlex.quote(p)} {h}" for p, h in zip(keep, hold, strict=True)),
+        "mount -t tmpfs tmpfs /dev/shm", "mount -t tmpfs tmpfs /tmp",
+        *(f"mkdir -p {shlex.quote(p)} && mount --bind {h} {shlex.quote(p)}" for p, h in zip(keep, hold, strict=True)),
+        f"cd {shlex.quote(str(worker_cwd))}", f"exec {shlex.join(worker_ray)}",
+    ])  # fmt: skip
     # Both at once: the second node's `ray start` retries until the head's GCS answers.
     with open(head_cwd / "ray_start.log", "wb") as head_log, open(worker_cwd / "ray_start.log", "wb") as worker_log:
         head_proc = subprocess.Popen(head_cmd, cwd=head_cwd, env=env, stdout=head_log, stderr=subprocess.STDOUT,

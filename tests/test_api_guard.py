@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from agentrl.platform import CPU
 from agentrl.rollout import api_guard
 from agentrl.rollout.base import EngineError
 
@@ -209,6 +210,9 @@ def test_engine_start_runs_the_guard_first(monkeypatch, tiny_model_path):
         raise EngineError(f"guard refused on {kind}")
 
     monkeypatch.setattr(api_guard, "check_vllm", refuse)
+    for key in CPU.vllm_env():  # the engine sets its process's vLLM environment: keep it out of this process
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
     engine = VLLMEngine(tiny_model_path)
     with pytest.raises(EngineError, match="guard refused on cpu"):
         asyncio.run(engine.start())

@@ -64,6 +64,14 @@ async def test_weight_update_mid_turn_resumes_with_both_versions(manager, vllm_f
     while await requests_done() == done_before:
         assert time.monotonic() < deadline and not task.done(), "the episode's first turn never finished"
         await asyncio.sleep(0.02)
+
+    async def streaming() -> int:
+        return sum(s["tokens_streaming"] for s in await asyncio.gather(*(e.stats.remote() for e in engines)))
+
+    # ...and the second turn has reached an engine and is generating: a loaded machine may take a while to send it
+    while await streaming() == 0:
+        assert time.monotonic() < deadline and not task.done(), "the second turn never started"
+        await asyncio.sleep(0.02)
     new_dir = tmp_path / "w"
     shutil.copytree(tiny_model_path, new_dir)
     weights = load_file(f"{new_dir}/model.safetensors")

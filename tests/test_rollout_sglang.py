@@ -82,6 +82,11 @@ def fake_sglang(monkeypatch):
         "sglang.srt.managers.io_struct": io_struct,
     }.items():
         monkeypatch.setitem(sys.modules, name, mod)
+    # The start-up API guard reads SGLang's real module layout and version; it has its own tests with fakes of
+    # that layout (test_api_guard.py), so here it is passed.
+    from agentrl.rollout import api_guard
+
+    monkeypatch.setattr(api_guard, "check_sglang", lambda: {"sglang": "fake"})
     FakeEngine.instances.clear()
     return FakeEngine
 
