@@ -17,25 +17,13 @@ import yaml
 from agentrl.config import Config, ConfigError, load_config
 from agentrl.envs import register_env
 from agentrl.envs.sokoban.env import SokobanEnv
+from tests.cli_run import agentrl, assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "agentic_sokoban.yaml"
 
 # A user module that registers an env (any entry point will do: what matters is who imported the module).
 USER_ENVS = 'import agentrl\nagentrl.register_env("user/Mine-v0", "agentrl.envs.frozen_lake:FrozenLakeEnv")\n'
-
-
-def agentrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
-
-
-def assert_one_line_error(res: subprocess.CompletedProcess, *words: str) -> None:
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 @pytest.mark.parametrize(

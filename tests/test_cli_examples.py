@@ -13,21 +13,10 @@ from pathlib import Path
 
 import yaml
 
+from tests.cli_run import agentrl, assert_one_line_error
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.yaml"))
-
-
-def agentrl(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=120
-    )
-
-
-def assert_one_line_error(res: subprocess.CompletedProcess, *words: str) -> None:
-    lines = res.stderr.strip().splitlines()
-    assert res.returncode == 2 and len(lines) == 1, res.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 def test_bare_name_resolves_to_the_packaged_example(tmp_path):

@@ -1,0 +1,22 @@
+"""Run the `agentrl` CLI as a user would (a subprocess) and check its one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def agentrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def assert_one_line_error(res: subprocess.CompletedProcess, *words: str) -> None:
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1, res.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
