@@ -85,11 +85,8 @@ def _reload_probe(worker: Any, path: str, repeats: int) -> dict[str, float]:
 def _full_weights(rank: Any, dtype: str) -> list[tuple[str, Any]]:
     import torch
 
-    from agentrl.trainer.weight_sync import full_tensor, sharded_named_params
-
     cast = getattr(torch, dtype)
-    named = sharded_named_params(rank.model, rank.tied)
-    return [(k, full_tensor(v).detach().to(cast)) for k, v in named]
+    return [(k, v.detach().to(cast)) for k, v in rank.backend.full_weights(rank.model, rank.tied)]
 
 
 def _copy_probe(rank: Any, dtype: str, repeats: int) -> dict[str, Any]:
@@ -118,14 +115,14 @@ def _pack_probe(rank: Any, dtype: str, bucket_bytes: int, repeats: int) -> dict[
     """The sender's work without the network: gather (full_tensor) + cast + pack every bucket, median seconds."""
     import torch
 
-    from agentrl.trainer.weight_sync import sharded_named_params, stream_weights, weight_metas
+    from agentrl.trainer.weight_sync import stream_weights, weight_metas
 
-    named = sharded_named_params(rank.model, rank.tied)
-    metas = weight_metas(named, getattr(torch, dtype))
+    metas = weight_metas(rank.backend.weight_metas(rank.model, rank.tied), getattr(torch, dtype))
     times, buckets = [], 0
     for _ in range(repeats):
         t0 = time.perf_counter()
-        buckets = sum(1 for _ in stream_weights(named, metas, bucket_bytes))
+        full = rank.backend.full_weights(rank.model, rank.tied)
+        buckets = sum(1 for _ in stream_weights(full, metas, bucket_bytes))
         times.append(time.perf_counter() - t0)
     return {"seconds": statistics.median(times), "buckets": buckets}
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -87,6 +88,7 @@ def _shell(device: torch.device, cfg: Config | None = None) -> W.TrainerRank:
     rank.tc, rank.alg = rank.cfg.trainer, rank.cfg.trainer.algorithm
     rank.rank, rank.world, rank.device, rank.pad_id = 0, 1, device, 0
     rank.model, rank.critic = object(), None
+    rank.backend = SimpleNamespace(dp_rank=0, dp_size=1, dp_group=None)  # one replica; tests set its forward
     return rank
 
 
@@ -124,7 +126,7 @@ def test_rl_micro_step_keeps_every_loss_tensor_on_the_rank_device_simulated(
     rank = _shell(torch.device("meta"), cfg)
     seen = []
 
-    def fake_forward(model, batch, with_entropy=False, temperature=1.0, entropy_grad=True):
+    def fake_forward(model, batch, with_entropy=False, entropy_grad=True):
         bad = {k: v.device for k, v in batch.items() if k not in LAYOUT_KEYS and v.device != rank.device}
         assert not bad, f"forward got tensors off the rank's device: {bad}"
         seen.append(batch["input_ids"].shape)
@@ -132,7 +134,7 @@ def test_rl_micro_step_keeps_every_loss_tensor_on_the_rank_device_simulated(
         ent = torch.ones(batch["input_ids"].shape, device=rank.device, requires_grad=entropy_grad)
         return logp, ent if with_entropy else None
 
-    monkeypatch.setattr(W, "forward_logprobs", fake_forward)
+    rank.backend.logprobs = fake_forward
     samples = _samples()
     mine = list(range(len(samples)))
     fields = {

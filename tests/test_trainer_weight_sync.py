@@ -79,7 +79,9 @@ def test_disk_sync_refuses_a_weights_dir_without_room_for_two_snapshots(tmp_path
     """A container's default 64 MB /dev/shm is a folder, so an is_dir check passes and the first export fails
     mid-run: the start-up sentinel also checks the free space. The free space is faked (shutil.disk_usage) since
     no small filesystem can be mounted here; the rank is the real method on a stand-in holding a real model."""
-    rank = SimpleNamespace(rank=0, model=torch.nn.Linear(1024, 1024))  # ~1M params: two fp32 snapshots ~8 MiB
+    model = torch.nn.Linear(1024, 1024)  # ~1M params: two fp32 snapshots ~8 MiB
+    backend = SimpleNamespace(weight_metas=lambda m, tied: [(k, v.shape, v.dtype) for k, v in m.state_dict().items()])
+    rank = SimpleNamespace(rank=0, model=model, tied=False, backend=backend)
     sentinel = tmp_path / "w" / ".sentinel"
     real = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=64 << 10))

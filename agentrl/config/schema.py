@@ -247,8 +247,25 @@ class SFTConfig(Section):
     lr: PositiveFloat = 1e-3
 
 
+class MegatronConfig(Section):
+    """Model-parallel sizes for `trainer.backend: megatron`; the data-parallel size is what remains of num_ranks."""
+
+    tensor_parallel: PositiveInt = 1
+    pipeline_parallel: PositiveInt = 1
+    context_parallel: PositiveInt = 1
+    expert_parallel: PositiveInt = 1
+    distributed_optimizer: bool = Field(True, description="shard optimizer state over data-parallel replicas")
+    sequence_parallel: bool = Field(False, description="split layer-norm and dropout activations over TP ranks")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
 class TrainerConfig(Section):
-    backend: Literal["fsdp2"] = "fsdp2"
+    backend: Literal["fsdp2", "megatron"] = Field(
+        "fsdp2", description="fsdp2: sharded data parallel; megatron: tensor/pipeline/context/expert parallel"
+    )
     num_ranks: PositiveInt = 1
     total_steps: PositiveInt = 100
     micro_batch_tokens: PositiveInt = Field(8192, description="token budget per packed micro-batch")
@@ -266,9 +283,30 @@ class TrainerConfig(Section):
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each trainer rank asks for, e.g. to pin it to a node"
     )
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     optim: OptimConfig = Field(default_factory=OptimConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    @model_validator(mode="after")
+    def _parallel_sizes_fit(self) -> TrainerConfig:
+        m = self.megatron
+        if self.backend != "megatron":
+            return self
+        if self.num_ranks % m.model_parallel:
+            raise ValueError(
+                f"trainer.num_ranks={self.num_ranks} is not a multiple of tensor_parallel x pipeline_parallel x "
+                f"context_parallel = {m.tensor_parallel} x {m.pipeline_parallel} x {m.context_parallel}"
+            )
+        dp = self.num_ranks // m.model_parallel
+        if (dp * m.context_parallel) % m.expert_parallel:
+            raise ValueError(
+                f"trainer.megatron.expert_parallel={m.expert_parallel} must divide data_parallel x context_parallel "
+                f"= {dp} x {m.context_parallel}"
+            )
+        if m.sequence_parallel and m.tensor_parallel == 1:
+            raise ValueError("trainer.megatron.sequence_parallel needs tensor_parallel > 1")
+        return self
 
 
 class AsyncConfig(Section):

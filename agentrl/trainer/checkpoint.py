@@ -1,21 +1,20 @@
-"""Sharded checkpoints (torch.distributed.checkpoint) and Hugging Face exports.
+"""Checkpoint files every backend shares, and Hugging Face exports of FSDP2 checkpoints.
 
-A checkpoint directory holds: DCP shards of model + optimizer (+ critic), `extra_rank{R}.pt` per rank
-(schedulers, CPU and device RNG state, policy version, optimizer steps), `meta.json` (version, optimizer steps,
-world size, optimizer names), and `hf/` (config + tokenizer files) so that `agentrl export CKPT OUT` can rebuild a
-plain HF model dir without the original model path.
+A trainer checkpoint directory holds the backend's shards of models and optimizers (FSDP2: torch.distributed
+.checkpoint; Megatron: its distributed checkpoint), `extra_rank{R}.pt` per rank (schedules, CPU and device RNG
+state, policy version, optimizer steps), `meta.json` (version, optimizer steps, world size, backend, optimizer
+names; written last) and `hf/` (config + tokenizer files) so that `agentrl export CKPT OUT` can rebuild a plain HF
+model dir without the original model path.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 HF_SIDE_FILES = (
     "config.json",
@@ -37,16 +36,6 @@ def copy_hf_side_files(src: str | Path, dst: str | Path) -> None:
     for name in HF_SIDE_FILES:
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, dst / name)
-
-
-def hf_state_dict(state: dict[str, torch.Tensor], tie_word_embeddings: bool) -> dict[str, torch.Tensor]:
-    """HF-named, contiguous tensors for safetensors; a tied lm_head is dropped (HF and vLLM re-tie it)."""
-    out = {}
-    for k, v in state.items():
-        if tie_word_embeddings and k == "lm_head.weight":
-            continue
-        out[k] = v.detach().contiguous()
-    return out
 
 
 def write_safetensors(state: dict[str, torch.Tensor], out_dir: str | Path, name: str = "model.safetensors") -> str:
@@ -78,74 +67,6 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device_module: 
     torch.set_rng_state(state["cpu"])
     if device_module is not None and device.type in state:
         device_module.set_rng_state(state[device.type], device)
-
-
-def save_sharded(
-    ckpt_dir: str | Path,
-    rank: int,
-    model: nn.Module,
-    optimizers: dict[str, torch.optim.Optimizer],
-    extra: dict[str, Any],
-    meta: dict[str, Any],
-    model_path: str,
-    critic: nn.Module | None = None,
-) -> None:
-    """Collective: every rank calls it. `optimizers` maps a name ('optim', 'sft_optim', ...) to the policy's
-    optimizers; the critic's optimizer, if any, goes under 'critic_optim'."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    for name, opt in optimizers.items():
-        owner = critic if name == "critic_optim" else model
-        state[name] = get_optimizer_state_dict(owner, opt)
-    if critic is not None:
-        state["critic"] = get_model_state_dict(critic)
-    ckpt = Path(ckpt_dir)
-    ckpt.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, checkpoint_id=str(ckpt))
-    torch.save(extra, ckpt / f"extra_rank{rank}.pt")
-    if rank == 0:
-        copy_hf_side_files(model_path, ckpt / "hf")
-        (ckpt / "meta.json").write_text(json.dumps({**meta, "optimizers": sorted(optimizers)}, indent=1))
-    dist.barrier()
-
-
-def load_sharded(
-    ckpt_dir: str | Path,
-    rank: int,
-    model: nn.Module,
-    optimizers: dict[str, torch.optim.Optimizer],
-    critic: nn.Module | None = None,
-) -> dict[str, Any]:
-    """Collective inverse of `save_sharded`; returns this rank's extra state (rank 0's if the world grew)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    ckpt = Path(ckpt_dir)
-    saved = set(json.loads((ckpt / "meta.json").read_text()).get("optimizers", []))
-    opts = {k: v for k, v in optimizers.items() if k in saved}
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    for name, opt in opts.items():
-        state[name] = get_optimizer_state_dict(critic if name == "critic_optim" else model, opt)
-    if critic is not None:
-        state["critic"] = get_model_state_dict(critic)
-    dcp.load(state, checkpoint_id=str(ckpt))
-    set_model_state_dict(model, state["model"])
-    for name, opt in opts.items():
-        set_optimizer_state_dict(critic if name == "critic_optim" else model, opt, state[name])
-    if critic is not None:
-        set_model_state_dict(critic, state["critic"])
-    path = ckpt / f"extra_rank{rank}.pt"
-    if not path.exists():
-        path = ckpt / "extra_rank0.pt"
-    return torch.load(path, weights_only=False)
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:

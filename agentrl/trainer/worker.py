@@ -32,18 +32,10 @@ from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
 from agentrl.trainer import losses, weight_sync
+from agentrl.trainer.backends import ModelBackend, TrainOptimizer, create_backend
 from agentrl.trainer.batching import LAYOUT_KEYS, collate, micro_batches, scatter_back, shard_indices, to_device
-from agentrl.trainer.checkpoint import (
-    hf_state_dict,
-    load_sharded,
-    rng_state,
-    save_sharded,
-    set_rng_state,
-    write_safetensors,
-)
-from agentrl.trainer.model import forward_logprobs, forward_values, uses_flash_attention
-from agentrl.trainer.optim import build_optimizer, clip_grad_norm
-from agentrl.trainer.sharding import build_sharded
+from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state, write_safetensors
+from agentrl.trainer.model import uses_flash_attention
 from agentrl.types import Sample
 from agentrl.weight_buckets import GroupCache, PackBuffer, SyncGroup
 
@@ -69,13 +61,14 @@ def _compute_tensors(batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
     return [v for k, v in batch.items() if k not in LAYOUT_KEYS]
 
 
-def _host_all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
-    """all_reduce of step bookkeeping: a CPU tensor over the group's gloo backend (the module's collective rule)."""
+def _host_all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group=None) -> torch.Tensor:
+    """all_reduce of step bookkeeping: a CPU tensor over the group's gloo backend (the module's collective rule).
+    `group`: the backend's data-parallel group for sums over the batch (tensor-parallel peers hold copies)."""
     if STRICT_DEVICES:
-        devices = {pair.split(":")[0] for pair in dist.get_backend_config().split(",")}
+        devices = {pair.split(":")[0] for pair in dist.get_backend_config(group).split(",")}
         if t.device.type != "cpu" or "cpu" not in devices:
             raise RuntimeError(f"bookkeeping collective on {t.device} in a group for {sorted(devices)}")
-    dist.all_reduce(t, op=op)
+    dist.all_reduce(t, op=op, group=group)
     return t
 
 
@@ -87,8 +80,9 @@ class RankSums:
     up; the order lives only in here.
     """
 
-    def __init__(self, names: Iterable[str]) -> None:
+    def __init__(self, names: Iterable[str], group=None) -> None:
         self._names = tuple(names)
+        self._group = group  # the data-parallel group: each replica's sums once
         self._rows: list[torch.Tensor] = []  # one float32 vector per micro-batch, on the values' device
 
     def add(self, values: Mapping[str, float | torch.Tensor]) -> None:
@@ -110,7 +104,7 @@ class RankSums:
         total = torch.zeros(len(self._names), dtype=torch.float64)
         if self._rows:
             total += torch.stack(self._rows).to("cpu", torch.float64).sum(0)
-        _host_all_reduce(total)
+        _host_all_reduce(total, group=self._group)
         return dict(zip(self._names, total.tolist(), strict=True))
 
 
@@ -163,23 +157,23 @@ class TrainerRank:
             plat.process_group_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
         )
         torch.manual_seed(self.cfg.seed)
+        from transformers import AutoConfig
 
-        def build(role: str) -> torch.nn.Module:  # precision, checkpointing, offload: trainer config
-            return build_sharded(model_path, self.device, self.tc, plat, role)
-
-        self.model = build("policy")
-        self.pad_id = self.model.config.pad_token_id or 0
-        self.tied = bool(self.model.config.tie_word_embeddings)
+        hf_config = AutoConfig.from_pretrained(model_path)
+        self.pad_id = hf_config.pad_token_id or 0
+        self.tied = bool(hf_config.tie_word_embeddings)
+        self.backend: ModelBackend = create_backend(self.tc.backend, self.cfg, model_path, self.device, plat)
+        self.model = self.backend.build("policy")  # precision, checkpointing, offload: trainer config
         self.ref = None
         if self.alg.kl_coef > 0:
-            self.ref = build("reference")  # eval mode, no grads, stored in the compute dtype
+            self.ref = self.backend.build("reference")  # eval mode, no grads, stored in the compute dtype
         self.critic = None
         opt_steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
         if self.alg.advantage == "gae":
-            self.critic = build("critic")
-            self.critic_opt, self.critic_sched = build_optimizer(self.critic.parameters(), self.tc.optim, opt_steps)
-        self.opt, self.sched = build_optimizer(self.model.parameters(), self.tc.optim, opt_steps)
-        self.sft_opt = None
+            self.critic = self.backend.build("critic")
+            self.critic_opt = self.backend.optimizer(self.critic, opt_steps)
+        self.opt: TrainOptimizer = self.backend.optimizer(self.model, opt_steps)
+        self.sft_opt: TrainOptimizer | None = None
         self.version = 0  # policy version = RL batches trained (train_step calls); the initial weights are 0
         self.optimizer_steps = 0  # every optimizer step: RL mini-batches and SFT steps
         return self.version
@@ -187,11 +181,11 @@ class TrainerRank:
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
     def _plan(self, samples: list[Sample], mine: list[int] | None = None) -> list[list[int]]:
-        """This rank's micro-batches (of its shard, or of `mine`), padded with empty ones to the max count over
-        ranks (collectives)."""
+        """This rank's micro-batches (of its data-parallel shard, or of `mine`), padded with empty ones to the max
+        count over ranks (collectives)."""
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
-            mine = shard_indices(lengths, self.world)[self.rank]
+            mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
         mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
         n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
@@ -218,7 +212,7 @@ class TrainerRank:
         masks = {} if every_token else {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         for idx in mbs:
             batch = self._batch(samples, idx, masks)
-            logp, _ = forward_logprobs(model, batch)
+            logp, _ = self.backend.logprobs(model, batch)
             out.update(zip(idx, scatter_back(logp, batch), strict=False))
         return out
 
@@ -227,12 +221,13 @@ class TrainerRank:
         out: dict[int, list[float]] = {}
         for idx in mbs:
             batch = self._batch(samples, idx, {})
-            out.update(zip(idx, scatter_back(forward_values(self.critic, batch), batch), strict=False))
+            out.update(zip(idx, scatter_back(self.backend.values(self.critic, batch), batch), strict=False))
         return out
 
     def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
-        parts: list[dict[int, Any]] = [{} for _ in range(self.world)]
-        dist.all_gather_object(parts, local)
+        group = self.backend.dp_group
+        parts: list[dict[int, Any]] = [{} for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(parts, local, group=group)
         return {k: v for p in parts for k, v in p.items()}
 
     # ---- advantages ----------------------------------------------------------------------------------------
@@ -282,14 +277,14 @@ class TrainerRank:
             local = float(sum(counts))
         else:
             local = float(sum(1 for c in counts if c))
-        return float(_host_all_reduce(torch.tensor([local], dtype=torch.float64)))
+        return float(_host_all_reduce(torch.tensor([local], dtype=torch.float64), group=self.backend.dp_group))
 
     def _mini_batches(self, mine: list[int], batch_size: int) -> list[list[int]]:
         """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step
         (seeded by the policy version, so a resumed run shuffles as the uninterrupted one would)."""
         k = max(1, min(self.alg.mini_batches, batch_size))
         order = list(mine)
-        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.rank)
+        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.backend.dp_rank)
         order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
         return [sorted(order[j::k]) for j in range(k)]
 
@@ -301,7 +296,7 @@ class TrainerRank:
         step, so clipping bounds how far all of them together move it (the trust region)."""
         t0 = time.perf_counter()
         if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
-            self.sft_opt = self.sft_sched = None
+            self.sft_opt = None
         rl = self._prepare(samples)
         gap = self._rollout_gap(samples, rl.fields.get("prox"))
         sums, grad_norms, lrs = self._optimize(rl)
@@ -322,7 +317,7 @@ class TrainerRank:
                 if s.loss_mask[t] and s.versions[t] == self.version:
                     total += abs(s.logprobs[t] - lp)
                     count += 1
-        summed = _host_all_reduce(torch.tensor([total, count], dtype=torch.float64))
+        summed = _host_all_reduce(torch.tensor([total, count], dtype=torch.float64), group=self.backend.dp_group)
         return {"train/rollout_logprob_diff": float(summed[0] / summed[1])} if summed[1] else {}
 
     def _prepare(self, samples: list[Sample]) -> _RLBatch:
@@ -356,25 +351,21 @@ class TrainerRank:
     def _optimize(self, rl: _RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
         """`ppo_epochs` x `mini_batches` optimizer steps; returns the loss sums over all ranks, and each step's
         grad norm and lr."""
-        sums = RankSums(RL_SUMS)
+        sums = RankSums(RL_SUMS, self.backend.dp_group)
         grad_norms, lrs = [], []
         self.model.train()
         for _ in range(self.alg.ppo_epochs):
             for part in self._mini_batches(rl.mine, len(rl.samples)):
                 denom = self._denom(rl, part)
-                self.opt.zero_grad(set_to_none=True)
+                self.opt.zero_grad()
                 if self.critic is not None:
-                    self.critic_opt.zero_grad(set_to_none=True)
+                    self.critic_opt.zero_grad()
                 for idx in self._plan(rl.samples, part):
                     sums.add(self._rl_micro_step(self._batch(rl.samples, idx, rl.fields), denom))
-                grad_norms.append(clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip))
-                lrs.append(self.opt.param_groups[0]["lr"])
-                self.opt.step()
-                self.sched.step()
+                lrs.append(self.opt.lr)
+                grad_norms.append(self.opt.step())
                 if self.critic is not None:
-                    clip_grad_norm(self.critic.parameters(), self.tc.optim.grad_clip)
                     self.critic_opt.step()
-                    self.critic_sched.step()
         return sums.all_reduce(), grad_norms, lrs
 
     def _summarize(
@@ -408,9 +399,10 @@ class TrainerRank:
         return out
 
     def _rl_micro_step(self, batch: dict, denom: float) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch (loss scaled for FSDP's rank average); its named sums."""
-        alg = self.alg
-        logp, ent = forward_logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
+        """Forward and backward of one micro-batch (loss scaled for the replicas' gradient average); its named
+        sums."""
+        alg, scale = self.alg, self.backend.dp_size
+        logp, ent = self.backend.logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
         mask, seq = batch["loss_mask"], batch["seq_ids"]
         # episode_mean weights come precomputed per token (they depend on the whole batch's episodes)
         w = mask * batch["token_weight"] if "token_weight" in batch else losses.token_weights(mask, seq, alg.loss_agg)
@@ -430,12 +422,12 @@ class TrainerRank:
             total = total + alg.kl_coef * losses.aggregate(kl_tok, w, denom)
         if alg.entropy_coef:
             total = total - alg.entropy_coef * losses.aggregate(ent, w, denom)
-        (total * self.world).backward()
+        (total * scale).backward()
         sums = {"loss": total, "pg_loss": pg, "kl": (kl_tok * mask).sum(), "entropy": (ent * mask).sum(), **st}
         if self.critic is not None:
-            v = forward_values(self.critic, batch)
+            v = self.backend.values(self.critic, batch)
             sums["value_loss"] = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
-            (sums["value_loss"] * self.world).backward()
+            (sums["value_loss"] * scale).backward()
         _check_device(sums.values(), self.device, "loss outputs")
         return {k: v.detach() for k, v in sums.items()}  # on the device: RankSums copies them to the host once
 
@@ -444,28 +436,24 @@ class TrainerRank:
         A warm start, not an RL batch: it leaves the policy version alone."""
         t0 = time.perf_counter()
         if self.sft_opt is None:
-            self.sft_opt, self.sft_sched = build_optimizer(
-                self.model.parameters(), self.tc.optim, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr
-            )
+            self.sft_opt = self._sft_optimizer()
         mbs = self._plan(samples)
         fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
         self.model.train()
-        self.sft_opt.zero_grad(set_to_none=True)
-        sums = RankSums(SFT_SUMS)
+        self.sft_opt.zero_grad()
+        sums = RankSums(SFT_SUMS, self.backend.dp_group)
         for idx in mbs:
             batch = self._batch(samples, idx, fields)
-            logp, _ = forward_logprobs(self.model, batch)
+            logp, _ = self.backend.logprobs(self.model, batch)
             w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
             _check_device([logp, w, *_compute_tensors(batch)], self.device, "loss inputs")
             loss = losses.sft_loss(logp, w, denom)
-            (loss * self.world).backward()
+            (loss * self.backend.dp_size).backward()
             correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
             sums.add({"loss": loss.detach(), "correct": correct})
-        norm = clip_grad_norm(self.model.parameters(), self.tc.optim.grad_clip)
-        lr = self.sft_opt.param_groups[0]["lr"]
-        self.sft_opt.step()
-        self.sft_sched.step()
+        lr = self.sft_opt.lr
+        norm = self.sft_opt.step()
         self.optimizer_steps += 1
         m = sums.all_reduce()
         elapsed = time.perf_counter() - t0
@@ -486,22 +474,14 @@ class TrainerRank:
 
     # ---- weights and state ---------------------------------------------------------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective; rank 0 gets the full CPU state dict, the others an empty dict."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        return get_model_state_dict(self.model, options=opts)
-
     def export_weights(self, out_dir: str, dtype: str = "float32") -> str:
         """Full weights as HF-named safetensors (+ config) in the engines' dtype, by rank 0: what engines'
-        reload_weights read (rollout.weight_sync=disk)."""
-        state = self.full_state_dict()
+        reload_weights read (rollout.weight_sync=disk). Collective: every rank walks the backend's gathers."""
+        cast, state = getattr(torch, dtype), {}
+        for name, t in self.backend.full_weights(self.model, self.tied):
+            if self.rank == 0:
+                state[name] = (t.to(cast) if t.is_floating_point() else t).detach().to("cpu").contiguous()
         if self.rank == 0:
-            from agentrl.trainer.checkpoint import copy_hf_side_files
-
-            cast = getattr(torch, dtype)
-            state = {k: v.to(cast) if v.is_floating_point() else v for k, v in hf_state_dict(state, self.tied).items()}
             write_safetensors(state, out_dir)
             if not os.path.exists(os.path.join(out_dir, "config.json")):
                 copy_hf_side_files(self.model_path, out_dir)
@@ -516,11 +496,8 @@ class TrainerRank:
             return
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        need = (
-            2
-            * sum(math.prod(p.shape) for p in self.model.parameters())
-            * torch.empty((), dtype=getattr(torch, dtype)).element_size()
-        )
+        weights = sum(math.prod(shape) for _, shape, _ in self.backend.weight_metas(self.model, self.tied))
+        need = 2 * weights * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         free = shutil.disk_usage(folder).free
         if free < need:
             raise RuntimeError(
@@ -546,19 +523,22 @@ class TrainerRank:
     def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
         """Names, full shapes and dtypes of what `broadcast_weights` sends, as plain values (engines receive them
         through vLLM's RPC): the receivers allocate from them."""
-        metas = weight_sync.weight_metas(weight_sync.sharded_named_params(self.model, self.tied), getattr(torch, dtype))
+        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         return [(m.name, list(m.shape), m.dtype) for m in metas]
 
     def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int) -> int:
-        """Collective: every rank gathers each parameter in turn; rank 0 joins the weight-sync group `where`
+        """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
         (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
         Returns the bytes sent (rank 0)."""
-        named = weight_sync.sharded_named_params(self.model, self.tied)
         group = self._sync_groups.get(SyncGroup(**where), rank=0) if self.rank == 0 else None
-        metas = weight_sync.weight_metas(named, getattr(torch, dtype))
-        return weight_sync.broadcast_weights(group, named, metas, bucket_bytes, self._pack_buffer)
+        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        full = self.backend.full_weights(self.model, self.tied)
+        return weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer)
 
-    def _optimizers(self) -> dict[str, torch.optim.Optimizer]:
+    def _sft_optimizer(self) -> TrainOptimizer:
+        return self.backend.optimizer(self.model, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr)
+
+    def _optimizers(self) -> dict[str, TrainOptimizer]:
         opts = {"optim": self.opt}
         if self.sft_opt is not None:
             opts["sft_optim"] = self.sft_opt
@@ -566,18 +546,28 @@ class TrainerRank:
             opts["critic_optim"] = self.critic_opt
         return opts
 
+    def _models(self) -> dict[str, torch.nn.Module]:
+        return {"policy": self.model, **({"critic": self.critic} if self.critic is not None else {})}
+
     def save_checkpoint(self, ckpt_dir: str) -> str:
-        """Collective: model, optimizers, schedulers, RNG, policy version and optimizer steps."""
+        """Collective: models, optimizers and their schedules (the backend's format), RNG, policy version and
+        optimizer steps; then rank 0 writes `hf/` (config and tokenizer, for `agentrl export`) and `meta.json`,
+        last, so a checkpoint with a meta.json is complete."""
+        import json
+
         extra = {
-            "sched": self.sched.state_dict(),
-            "sft_sched": self.sft_sched.state_dict() if self.sft_opt is not None else None,
-            "critic_sched": self.critic_sched.state_dict() if self.critic is not None else None,
             "rng": rng_state(self.plat.device_module(), self.device),
             "version": self.version,
             "optimizer_steps": self.optimizer_steps,
         }
-        meta = {"version": self.version, "optimizer_steps": self.optimizer_steps, "world_size": self.world}
-        save_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), extra, meta, self.model_path, self.critic)
+        self.backend.save_checkpoint(ckpt_dir, self._models(), self._optimizers(), extra)
+        if self.rank == 0:
+            copy_hf_side_files(self.model_path, os.path.join(ckpt_dir, "hf"))
+            meta = {"version": self.version, "optimizer_steps": self.optimizer_steps, "world_size": self.world,
+                    "backend": self.tc.backend, "optimizers": sorted(self._optimizers())}  # fmt: skip
+            with open(os.path.join(ckpt_dir, "meta.json"), "w") as f:
+                json.dump(meta, f, indent=1)
+        dist.barrier()
         return ckpt_dir
 
     def load_checkpoint(self, ckpt_dir: str) -> int:
@@ -585,17 +575,15 @@ class TrainerRank:
         import json
 
         with open(os.path.join(ckpt_dir, "meta.json")) as f:
-            saved = json.load(f).get("optimizers", [])
+            meta = json.load(f)
+        backend = meta.get("backend", "fsdp2")
+        if backend != self.tc.backend:
+            raise ValueError(f"{ckpt_dir} was saved by trainer.backend={backend}, this run uses {self.tc.backend}")
+        saved = meta.get("optimizers", [])
         if "sft_optim" in saved and self.sft_opt is None:
-            self.sft_opt, self.sft_sched = build_optimizer(
-                self.model.parameters(), self.tc.optim, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr
-            )
-        extra = load_sharded(ckpt_dir, self.rank, self.model, self._optimizers(), self.critic)
-        self.sched.load_state_dict(extra["sched"])
-        if extra.get("sft_sched") is not None and self.sft_opt is not None:
-            self.sft_sched.load_state_dict(extra["sft_sched"])
-        if extra.get("critic_sched") is not None and self.critic is not None:
-            self.critic_sched.load_state_dict(extra["critic_sched"])
+            self.sft_opt = self._sft_optimizer()
+        opts = {k: v for k, v in self._optimizers().items() if k in saved}
+        extra = self.backend.load_checkpoint(ckpt_dir, self._models(), opts)
         set_rng_state(extra["rng"], self.plat.device_module(), self.device)
         self.version, self.optimizer_steps = int(extra["version"]), int(extra["optimizer_steps"])
         return self.version

@@ -1,0 +1,109 @@
+"""Training backends: what a trainer rank's RL and SFT logic needs from a parallel training library.
+
+`agentrl.trainer.worker.TrainerRank` holds the algorithm (advantages, losses, mini-batches, metrics) once; a
+backend owns everything that depends on how the model is split over ranks: building the policy, reference and
+critic, the per-token forward pass, optimizer steps, full weights for export and sync, and checkpoints.
+
+- `fsdp2`: every rank holds a shard of every parameter (data parallel over all ranks).
+- `megatron`: Megatron-Core tensor / pipeline / context / expert parallelism; the data-parallel replicas are the
+  rank count divided by the model-parallel sizes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+Role = Literal["policy", "reference", "critic"]
+
+
+class TrainOptimizer(ABC):
+    """One optimizer with its learning-rate schedule and gradient clipping, as a step drives it."""
+
+    @abstractmethod
+    def zero_grad(self) -> None: ...
+
+    @abstractmethod
+    def step(self) -> float:
+        """Finish gradient reduction, clip to `optim.grad_clip`, step, advance the schedule; returns the global
+        grad norm before clipping (collective)."""
+
+    @property
+    @abstractmethod
+    def lr(self) -> float:
+        """The learning rate the next `step` applies."""
+
+
+class ModelBackend(ABC):
+    """Per-rank handle on the parallel library. Created after the default process group exists.
+
+    Data parallelism: the batch is split over `dp_size` replicas; this rank trains on shard `dp_rank`, and every
+    rank of one replica (its tensor / pipeline peers) sees the same micro-batches. Losses are scaled by `dp_size`
+    because both libraries average gradients over the replicas. Host bookkeeping (loss sums, denominators) is
+    reduced over `dp_group`: the gloo group of the ranks at this rank's model-parallel position, one per replica
+    (None: the default group, when every rank is a replica of its own).
+    """
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    dp_group: Any = None
+
+    @abstractmethod
+    def build(self, role: Role) -> nn.Module:
+        """The policy or critic ready to train (fp32 master weights), or the reference (eval mode, no grads),
+        filled from the HF checkpoint. Collective."""
+
+    @abstractmethod
+    def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> TrainOptimizer:
+        """AdamW over `model` with `trainer.optim`'s schedule (`lr` overrides the peak)."""
+
+    @abstractmethod
+    def logprobs(
+        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False, entropy_grad: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token log-probs (and entropies) aligned with batch['input_ids'] as in
+        `agentrl.trainer.model.forward_logprobs`; full [rows, T] tensors on every rank of the replica."""
+
+    @abstractmethod
+    def values(self, critic: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V(state before token t) at position t, aligned like the log-probs."""
+
+    @abstractmethod
+    def weight_metas(self, model: nn.Module, tied: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """HF names, full shapes and dtypes of the policy's weights, in `full_weights` order, without
+        communication; a tied lm_head is left out (engines re-tie it)."""
+
+    @abstractmethod
+    def full_weights(self, model: nn.Module, tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective (every rank iterates to the end, in step): each HF-named weight in full, in `weight_metas`
+        order, on this rank's device. Only rank 0's tensors are used."""
+
+    @abstractmethod
+    def save_checkpoint(
+        self, ckpt_dir: str, models: dict[str, nn.Module], optimizers: dict[str, TrainOptimizer], extra: dict
+    ) -> None:
+        """Collective: models ('policy', 'critic') and optimizers (with their schedules) under `ckpt_dir`, plus
+        this rank's `extra` (RNG state, counters)."""
+
+    @abstractmethod
+    def load_checkpoint(
+        self, ckpt_dir: str, models: dict[str, nn.Module], optimizers: dict[str, TrainOptimizer]
+    ) -> dict:
+        """Collective inverse of `save_checkpoint` for the optimizers the checkpoint holds; returns `extra`."""
+
+
+def create_backend(name: str, cfg: Any, model_path: str, device: torch.device, platform: Any) -> ModelBackend:
+    """The backend `trainer.backend` names (imported lazily: Megatron-Core is an extra)."""
+    if name == "fsdp2":
+        from agentrl.trainer.backends.fsdp2 import FSDP2Backend
+
+        return FSDP2Backend(cfg, model_path, device, platform)
+    if name == "megatron":
+        from agentrl.trainer.backends.megatron import MegatronBackend
+
+        return MegatronBackend(cfg, model_path, device, platform)
+    raise ValueError(f"unknown trainer.backend {name!r} (fsdp2 or megatron)")

@@ -1,0 +1,128 @@
+"""The FSDP2 backend: every rank is a data-parallel replica holding a shard of every parameter.
+
+Models come from `agentrl.trainer.sharding.build_sharded` (meta-device skeleton, rank 0's checkpoint broadcast
+into the shards), forward passes from `agentrl.trainer.model`, checkpoints are torch.distributed.checkpoint
+(DCP) shards of models and optimizers, which `agentrl.trainer.checkpoint.export_hf` turns back into an HF dir.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
+from agentrl.trainer.model import forward_logprobs, forward_values
+from agentrl.trainer.optim import build_optimizer, clip_grad_norm
+from agentrl.trainer.sharding import build_sharded
+
+
+class FSDP2Optimizer(TrainOptimizer):
+    """AdamW + LambdaLR over one FSDP2 model; clipping uses the global norm of the sharded gradients."""
+
+    def __init__(self, model: nn.Module, cfg: Any, total_steps: int, lr: float | None) -> None:
+        self.model, self.grad_clip = model, cfg.grad_clip
+        self.optimizer, self.schedule = build_optimizer(model.parameters(), cfg, total_steps, lr=lr)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        norm = clip_grad_norm(self.model.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.schedule.step()
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+def sharded_named_params(model: nn.Module, tied: bool) -> list[tuple[str, torch.Tensor]]:
+    """The model's weights under HF names (FSDP and activation-checkpoint wrappers stripped), still sharded; a
+    tied lm_head is left out (the engine re-ties it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    return [(k, v) for k, v in state.items() if not (tied and k == "lm_head.weight")]
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor (every rank must call it, in the same order): the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class FSDP2Backend(ModelBackend):
+    def __init__(self, cfg: Any, model_path: str, device: torch.device, platform: Any) -> None:
+        self.tc, self.model_path, self.device, self.platform = cfg.trainer, model_path, device, platform
+        self.dp_rank, self.dp_size, self.dp_group = dist.get_rank(), dist.get_world_size(), None
+
+    def build(self, role: Role) -> nn.Module:
+        return build_sharded(self.model_path, self.device, self.tc, self.platform, role)
+
+    def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> FSDP2Optimizer:
+        return FSDP2Optimizer(model, self.tc.optim, total_steps, lr)
+
+    def logprobs(self, model, batch, with_entropy=False, entropy_grad=True):
+        return forward_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    def values(self, critic, batch):
+        return forward_values(critic, batch)
+
+    def weight_metas(self, model, tied):
+        return [(k, tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)]
+
+    def full_weights(self, model, tied) -> Iterator[tuple[str, torch.Tensor]]:
+        for k, v in sharded_named_params(model, tied):
+            yield k, full_tensor(v)
+
+    def save_checkpoint(self, ckpt_dir, models, optimizers, extra) -> None:
+        """DCP shards of every model and optimizer; schedules and `extra` in `extra_rank{R}.pt`."""
+        import torch.distributed.checkpoint as dcp
+
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        dcp.save(self._state(models, optimizers), checkpoint_id=str(ckpt_dir))
+        schedules = {name: opt.schedule.state_dict() for name, opt in optimizers.items()}
+        torch.save({**extra, "schedules": schedules}, Path(ckpt_dir) / f"extra_rank{dist.get_rank()}.pt")
+
+    def load_checkpoint(self, ckpt_dir, models, optimizers) -> dict:
+        """Loads into `models` and `optimizers` (those the caller passes: the ones the checkpoint holds); returns
+        this rank's `extra` (rank 0's when the world grew)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        state = self._state(models, optimizers)
+        dcp.load(state, checkpoint_id=str(ckpt_dir))
+        for name, model in models.items():
+            set_model_state_dict(model, state[_key(name)])
+        for name, opt in optimizers.items():
+            set_optimizer_state_dict(opt.model, opt.optimizer, state[name])
+        path = Path(ckpt_dir) / f"extra_rank{dist.get_rank()}.pt"
+        if not path.exists():
+            path = Path(ckpt_dir) / "extra_rank0.pt"
+        extra = torch.load(path, weights_only=False)
+        for name, sched in extra.pop("schedules", {}).items():
+            if name in optimizers:
+                optimizers[name].schedule.load_state_dict(sched)
+        return extra
+
+    @staticmethod
+    def _state(models: dict[str, nn.Module], optimizers: dict[str, FSDP2Optimizer]) -> dict[str, Any]:
+        """The DCP state: the policy under 'model' (the key `export_hf` reads), other models and optimizers
+        under their names."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        state: dict[str, Any] = {_key(n): get_model_state_dict(m) for n, m in models.items()}
+        for name, opt in optimizers.items():
+            state[name] = get_optimizer_state_dict(opt.model, opt.optimizer)
+        return state
+
+
+def _key(model_name: str) -> str:
+    return "model" if model_name == "policy" else model_name
