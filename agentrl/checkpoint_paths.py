@@ -1,7 +1,7 @@
 """What a path given to `agentrl export` / `agentrl eval --checkpoint` names: a trainer checkpoint or a HF model dir.
 
 Accepted forms, tried in this order:
-- a trainer checkpoint dir (`.metadata` + `hf/config.json`, as `save_checkpoint` writes it), e.g. `.../trainer`;
+- a trainer checkpoint dir (`meta.json` + `hf/config.json`, as `save_checkpoint` writes them), e.g. `.../trainer`;
 - a step dir `checkpoints/step-N` (its `trainer/` subfolder);
 - a Hugging Face model dir (`config.json` and weights);
 - a run dir (its latest checkpoint, `checkpoints/latest`), or that run's `checkpoints/` folder.
@@ -31,7 +31,7 @@ class ModelSource:
 
 
 def is_trainer_checkpoint(path: Path) -> bool:
-    return (path / ".metadata").is_file() and (path / "hf" / "config.json").is_file()
+    return (path / "meta.json").is_file() and (path / "hf" / "config.json").is_file()
 
 
 def is_hf_model_dir(path: Path) -> bool:
@@ -66,7 +66,7 @@ def hf_dir_for_eval(source: ModelSource) -> Path:
     from agentrl.trainer.checkpoint import export_hf
 
     out = source.path.with_name(f"{source.path.name}-hf")
-    if is_hf_model_dir(out) and out.stat().st_mtime >= (source.path / ".metadata").stat().st_mtime:
+    if is_hf_model_dir(out) and out.stat().st_mtime >= (source.path / "meta.json").stat().st_mtime:
         return out
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,5 @@
-"""One `log(step, metrics)` that fans out to the console, a JSONL file, TensorBoard and optional trackers.
+"""One `log(step, metrics)` that fans out to the console (agentrl.console), a JSONL file, TensorBoard and optional
+trackers.
 
 Metric names are a contract that tests and benchmarks read: `timing/...`, `throughput/...`, `idle/...`, etc.
 Optional trackers (wandb, mlflow, swanlab) are imported only when configured.
@@ -47,26 +48,6 @@ class TensorBoardBackend:
         self._writer.close()
 
 
-class ConsoleBackend:
-    """A compact line per step; the pipeline's rich progress bar shows the live view."""
-
-    KEYS = ("episode/success", "episode/return", "train/loss", "throughput/tokens_per_s", "timing/step")
-
-    def __init__(self):
-        from rich.console import Console
-
-        self._console = Console(stderr=True)
-
-    def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = [f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
-        others = [k for k in metrics if k.startswith("val/") and k.endswith("success")]
-        shown += [f"{k}={metrics[k]:.3f}" for k in others]
-        self._console.print(f"[bold]step {step}[/bold] " + " ".join(shown))
-
-    def close(self) -> None:
-        pass
-
-
 class TrackerBackend:
     """wandb / mlflow / swanlab, imported lazily; a missing package is a clear error at start-up."""
 
@@ -112,7 +93,7 @@ class MetricsSink:
     def __init__(
         self,
         run_dir: str | Path,
-        console: bool = True,
+        console: bool | MetricsBackend = True,
         jsonl: bool = True,
         tensorboard: bool = True,
         trackers: list[str] | tuple[str, ...] = (),
@@ -126,8 +107,12 @@ class MetricsSink:
             self.backends.append(JsonlBackend(self.run_dir / "metrics.jsonl"))
         if tensorboard:
             self.backends.append(TensorBoardBackend(self.run_dir / "tensorboard"))
-        if console:
-            self.backends.append(ConsoleBackend())
+        if console is True:
+            from agentrl.console import RunView
+
+            console = RunView()
+        if console:  # the run's view (agentrl.console): live progress on a TTY, plain lines elsewhere
+            self.backends.append(console)
         for name in trackers:
             self.backends.append(TrackerBackend(name, project, run_name, config or {}))
 

@@ -29,6 +29,7 @@ import ray
 
 from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.config import Config, ConfigError, dump_yaml
+from agentrl.console import RunView, print_summary, run_summary
 from agentrl.envmanager.manager import FirstOfKind, evaluate, start_managers
 from agentrl.metrics import MetricsSink
 from agentrl.models.hub import model_ref
@@ -49,6 +50,7 @@ from agentrl.startup import check_before_start, init_ray
 from agentrl.step_metrics import batch_metrics
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Group
+from agentrl.warmstart import is_cached, warm_start_cache
 from agentrl.weights import WeightSync
 
 
@@ -61,12 +63,15 @@ def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
 
 
 class Pipeline:
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, view: RunView | None = None):
         self.cfg = cfg
         self.run_dir = run_dir
         self.model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
         # What actors get: a hub id stays one, resolved by each actor on its own node (a snapshot path is this one's)
         ref = model_ref(cfg.model.path, cfg.model.revision, self.model_path)
+        self.warm_cache = warm_start_cache(cfg, self.model_path)  # trainer.sft.cache: where the warm start is kept
+        if is_cached(self.warm_cache):  # an earlier run's warm start replaces the base weights and the SFT
+            ref = self.model_path = str(self.warm_cache)
         platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
         check_before_start(cfg, self.model_path, platform)
         self.trainer = TrainerGroup(cfg, ref, platform=platform)
@@ -95,9 +100,10 @@ class Pipeline:
         self.fleet: dict[str, float] = {}  # the router's engine counts, logged with every step
         self.stop_signal: int | None = None  # SIGINT/SIGTERM received: stop at the next safe point
         self._batch_wait: asyncio.Future | None = None
+        self.view = view or RunView(cfg.trainer.total_steps, show=cfg.logging.console)  # also the console sink
         self.sink = MetricsSink(
             run_dir,
-            cfg.logging.console,
+            self.view,
             cfg.logging.jsonl,
             cfg.logging.tensorboard,
             cfg.logging.trackers,
@@ -162,26 +168,45 @@ class Pipeline:
 
     # ---- validation / warm start -----------------------------------------------------------------------------
     async def validate(self) -> dict[str, float]:
-        return await evaluate(self.cfg, self.managers)
+        episodes = len(self.cfg.envs.val or self.cfg.envs.train) * self.cfg.validation.episodes_per_tag
+        with self.view.phase(f"validation at step {self.state.step}", episodes, "episodes") as tick:
+            return await evaluate(self.cfg, self.managers, tick)
 
     async def warm_start(self) -> dict[str, float]:
         from transformers import AutoTokenizer
 
         from agentrl.warmstart import expert_samples
 
+        if self.model_path == str(self.warm_cache):
+            return {"sft/cached": 1.0, "sft/seconds": 0.0, "sft/samples": 0.0}
         sft = self.cfg.trainer.sft
         tokenizer = AutoTokenizer.from_pretrained(self.cfg.model.tokenizer or self.model_path)
-        demos = await asyncio.to_thread(expert_samples, self.cfg, tokenizer, sft.episodes)
+        with self.view.phase("warm start: expert demos", sft.episodes, "episodes") as tick:
+            demos = await asyncio.to_thread(expert_samples, self.cfg, tokenizer, sft.episodes, tick)
         t0, metrics = time.perf_counter(), {}
-        for step in range(sft.steps):
-            start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
-            metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
+        with self.view.phase("warm start: SFT", sft.steps, "steps") as tick:
+            for step in range(sft.steps):
+                start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
+                metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
+                tick()
+        if self.warm_cache is not None:
+            await asyncio.to_thread(self._cache_warm_start, self.warm_cache)
         return {
             **metrics,
             "sft/seconds": time.perf_counter() - t0,
             "sft/samples": len(demos),
             "sft/failed_episodes": float(demos.failed_episodes),
         }
+
+    def _cache_warm_start(self, path: Path) -> None:
+        """Export the warm-started weights to `path` (through a temporary folder: a concurrent run with the same
+        key may have saved it first, and a reader never sees half a model)."""
+        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        self.trainer.export_weights(str(tmp), "float32")
+        try:
+            tmp.rename(path)
+        except OSError:  # another run saved it first (or trainer rank 0 wrote on another node's disk)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # ---- the loop --------------------------------------------------------------------------------------------
     async def run(self, resume_from: Path | None) -> dict[str, float]:
@@ -202,6 +227,7 @@ class Pipeline:
                 state.first_val = await self.validate()
                 self.sink.log(state.step, state.first_val)
         background = [self._background(self.produce()), self._background(self.watch_engines())]
+        self.view.start_steps(state.step)
         try:
             while state.step < cfg.trainer.total_steps and self.stop_signal is None:
                 metrics = await self.train_step()
@@ -336,18 +362,22 @@ def check_run_dir_shared(run_dir: Path, trainer: TrainerGroup) -> None:
         )
 
 
-def train(cfg: Config, resume: str | None = None) -> int:
-    """Run (or resume) a training run; prints held-out success before and after RL. A stop signal or a stalled
-    rollout saves a checkpoint and ends the run with one line saying how to resume it."""
+def train(cfg: Config, resume: str | None = None, verbose: bool = False) -> int:
+    """Run (or resume) a training run; ends with a summary table (held-out success before and after RL, where
+    things are, how to resume). A stop signal or a stalled rollout saves a checkpoint and ends the run with one
+    line saying how to resume it. verbose: Ray's start-up notices too."""
+    t0 = time.perf_counter()
     configure_cpu_threads(1)
     run_dir = Path(resume or cfg.run_dir).absolute()  # actors get paths from here, whatever their working dir
     new_dir = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))
     resume_from = latest_checkpoint(run_dir) if (resume or cfg.checkpoint.resume == "auto") else None
-    init_ray(cfg.ray_address)
+    view = RunView(cfg.trainer.total_steps, show=cfg.logging.console)
     try:
-        pipeline = Pipeline(cfg, run_dir)
+        with view.starting(f"Ray, {cfg.rollout.num_engines} rollout engine(s), the trainer, env managers"):
+            init_ray(cfg.ray_address, quiet=not verbose)
+            pipeline = Pipeline(cfg, run_dir, view)
     except ConfigError:
         if new_dir:  # a run that never started leaves no folder behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -364,11 +394,5 @@ def train(cfg: Config, resume: str | None = None) -> int:
         name = signal.Signals(pipeline.stop_signal).name
         print(f"agentrl: {name} at step {pipeline.state.step}: checkpoint saved; {resume_hint}", file=sys.stderr)
         return 128 + pipeline.stop_signal
-    first, last = result["first"], result["last"]
-    if "val/success" in last:
-        before = f"{first['val/success']:.3f}" if "val/success" in first else "n/a"
-        print(f"held-out success: before RL {before}, after RL {last['val/success']:.3f}")
-    from agentrl.plotting import plot_run
-
-    print(f"run dir: {run_dir}  plot: {plot_run(run_dir)}")
+    print_summary(run_summary(run_dir, result, pipeline.view, time.perf_counter() - t0, cfg.logging.tensorboard))
     return 0

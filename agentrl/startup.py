@@ -5,10 +5,12 @@ starts."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 
 from agentrl.config import Config, ConfigError, check_model_loads
-from agentrl.platform import Platform, platform_choice, run_platform
+from agentrl.platform import Platform, cluster_platform, platform_choice, run_platform
+from agentrl.preflight import check_chat_template, platform_fix
 
 
 def _fmt(x: float) -> str:
@@ -56,7 +58,9 @@ def check_cluster_resources(
             continue
         if key == device:
             why = f"{engines} rollout engines x {tp} + {tr.num_ranks} trainer ranks"
-            hints["lower rollout.num_engines, rollout.tensor_parallel_size or trainer.num_ranks"] = None
+            lower = "lower rollout.num_engines, rollout.tensor_parallel_size or trainer.num_ranks"
+            # no such device at all: the platform, not the counts, is the likely mistake
+            hints[f"{platform_fix(cfg)}, or {lower}" if have == 0 else lower] = None
         else:
             hints["change rollout.ray_resources / trainer.ray_resources"] = None
             why = " + ".join(
@@ -86,8 +90,9 @@ def check_cluster_resources(
         )
 
 
-def init_ray(address: str | None) -> None:
-    """Join or start Ray (once per process), handing every worker the run's user modules."""
+def init_ray(address: str | None, quiet: bool = True) -> None:
+    """Join or start Ray (once per process), handing every worker the run's user modules. quiet: without Ray's
+    start-up notices (`--verbose` shows them)."""
     import ray
 
     from agentrl.plugins import ray_runtime_env
@@ -95,7 +100,8 @@ def init_ray(address: str | None) -> None:
     if ray.is_initialized():
         return
     # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
-    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    if quiet:
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     ray.init(
         address=address,
         runtime_env=ray_runtime_env(),
@@ -105,6 +111,25 @@ def init_ray(address: str | None) -> None:
     )
 
 
+def check_trainer_backend(cfg: Config, platform: Platform) -> None:
+    """trainer.backend=megatron: its package is installed, and the trainer ranks have GPUs. Megatron-Core calls CUDA
+    in many places that no setting turns off; on CPU only agentrl's own tests run it, with a compatibility layer
+    that maps those calls to the CPU in the trainer ranks (they say so with AGENTRL_MEGATRON_CPU_SHIM=1)."""
+    if cfg.trainer.backend != "megatron":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("mbridge") is None:
+        raise ConfigError("trainer.backend=megatron needs Megatron-Core and mbridge: pip install 'agentrl[megatron]'")
+    if platform.kind == "npu":  # Megatron on Ascend goes through MindSpeed's patches, which agentrl lacks
+        raise ConfigError("trainer.backend=megatron runs on CUDA GPUs only: use trainer.backend=fsdp2 on Ascend NPUs")
+    if platform.kind == "cpu" and os.environ.get("AGENTRL_MEGATRON_CPU_SHIM") != "1":
+        raise ConfigError(
+            "trainer.backend=megatron needs CUDA GPUs for the trainer ranks and this run has none: "
+            "use trainer.backend=fsdp2 on CPU"
+        )
+
+
 def check_before_start(cfg: Config, model_path: str, platform: Platform | None = None) -> None:
     """Ray resources (devices and custom ones, in total and per node), turn limits, the model and every configured
     env (built in a Ray worker, as the env managers will): ConfigError, one line, before any engine starts.
@@ -112,6 +137,8 @@ def check_before_start(cfg: Config, model_path: str, platform: Platform | None =
     from agentrl.envmanager.manager import check_envs_in_actor, check_turn_limits
 
     check_cluster_resources(cfg, platform)
+    check_trainer_backend(cfg, platform or cluster_platform(cfg.platform))
     check_turn_limits(cfg)
     check_model_loads(model_path)
+    check_chat_template(cfg, model_path)
     check_envs_in_actor(cfg)

@@ -6,6 +6,10 @@ skipped and counted (like a failed RL episode), never the end of the run.
 
 from __future__ import annotations
 
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError
@@ -24,9 +28,10 @@ class Demos(list[Sample]):
     failed_episodes: int = 0
 
 
-def expert_samples(cfg: Config, tokenizer: Any, episodes: int) -> Demos:
+def expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Callable[[], None] = lambda: None) -> Demos:
     """Play each train env's expert and turn its turns into samples shaped like RL samples (same prompts).
-    A failing episode is skipped (the first failure of each kind is logged); raises ConfigError when all fail."""
+    A failing episode is skipped (the first failure of each kind is logged); raises ConfigError when all fail.
+    tick() is called after each episode (the console's progress)."""
     chat = ChatTokens(tokenizer)
     samples = Demos()
     tags = list(cfg.envs.train.items())
@@ -40,6 +45,7 @@ def expert_samples(cfg: Config, tokenizer: Any, episodes: int) -> Demos:
             error = f"{type(err).__name__}: {err}"
             first_error = first_error or f"envs.train.{tag} ({spec.env_id}): {error}"
             log_failure(f"demo episode {i} of envs.train.{tag} ({spec.env_id})", error)
+        tick()
     if episodes and samples.failed_episodes == episodes:
         raise ConfigError(f"trainer.sft: all {episodes} expert demo episodes failed; the first: {first_error}")
     return samples
@@ -77,3 +83,31 @@ def _demo_episode(cfg: Config, chat: ChatTokens, eos_id: int, tag: str, spec: Tr
         if terminated or truncated:
             break
     return samples
+
+
+def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
+    """Where `trainer.sft.cache` keeps the warm-started weights (an HF model dir) for this model, train envs, prompt
+    form and SFT settings; None when the run does no cached warm start. The key leaves out the seed, so runs that
+    differ only in their RL seed start from one warm start (what a comparison over seeds wants)."""
+    sft = cfg.trainer.sft
+    if not (sft.enabled and sft.cache and sft.steps > 0):
+        return None
+    from agentrl import __version__
+
+    weights = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_path).glob("*.safetensors")
+    )  # a local model edited in place is a new key
+    key = {
+        "agentrl": __version__,
+        "model": [str(Path(model_path).resolve()), cfg.model.revision, cfg.model.tokenizer, weights],
+        "sft": sft.model_dump(exclude={"cache"}),
+        "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
+        "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window],
+        "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "optim", "micro_batch_tokens"}),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return Path(cfg.model.cache_dir).expanduser() / f"warmstart-{digest}"
+
+
+def is_cached(path: Path | None) -> bool:
+    return path is not None and (path / "model.safetensors").exists() and (path / "config.json").exists()

@@ -92,7 +92,7 @@ class WeightSync:
     async def _sync_disk(self, version: int) -> None:
         plan = await self.router.weight_sync_members.remote()
         path = str(self.root / f"v{version}")
-        await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or "float32")
+        await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or "float32", True)
         await self.router.update_weights.remote(path, version, self.drain)
 
     async def _sync_collective(self, version: int) -> None:

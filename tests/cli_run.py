@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,9 +10,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def agentrl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def agentrl(*args: str, cwd: Path = ROOT, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess:
+    """`env`: variables to set in the child on top of this process's (None: unset); os.environ stays as it is."""
+    child = None
+    if env is not None:
+        child = {**os.environ, **{k: v for k, v in env.items() if v is not None}}
+        for name in (k for k, v in env.items() if v is None):
+            child.pop(name, None)
     return subprocess.run(
-        [sys.executable, "-m", "agentrl", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "agentrl", *args], cwd=cwd, env=child, capture_output=True, text=True, timeout=120
     )
 
 

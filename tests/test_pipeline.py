@@ -15,6 +15,7 @@ import pytest
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
 from agentrl.pipeline import Pipeline
+from agentrl.warmstart import is_cached, warm_start_cache
 from agentrl.weights import weights_dir
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
@@ -28,9 +29,21 @@ MODES = {
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def warm_cache_dir(tmp_path_factory) -> Path:
+    """One trainer.sft.cache folder for the modes: the first run of a prompt form saves its warm start, later
+    runs with the same model, envs and SFT settings (sync and async_partial differ only in async.*) reuse it."""
+    return tmp_path_factory.mktemp("warm_cache")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
-async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, tmp_path):
-    cfg = load_config(CONFIG, [*MODES[mode], f"name={mode}", "checkpoint.every_steps=0"])
+async def test_every_mode_trains_within_the_staleness_bound(
+    mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir
+):
+    cache_args = [f"model.path={tiny_model_path}", "trainer.sft.cache=true", f"model.cache_dir={warm_cache_dir}"]
+    cfg = load_config(CONFIG, [*MODES[mode], f"name={mode}", "checkpoint.every_steps=0", *cache_args])
+    cache = warm_start_cache(cfg, tiny_model_path)
+    reused = is_cached(cache)
     pipeline = Pipeline(cfg, tmp_path)
     trained = []
     original = pipeline.trainer.train_step
@@ -54,6 +67,10 @@ async def test_every_mode_trains_within_the_staleness_bound(mode, ray_session, t
         assert key in rows[0], key
     assert max(r["staleness/max"] for r in rows) <= k
     assert "val/success" in result["first"] and "val/success" in result["last"]
+    warm = next(r for r in read_jsonl(tmp_path / "metrics.jsonl") if "sft/seconds" in r)
+    assert bool(warm.get("sft/cached")) == reused, "a cached warm start is reused, and only then"
+    assert is_cached(cache) and not list(warm_cache_dir.glob("*.tmp-*")), "the warm start was saved, no leftovers"
+    assert ("sft/loss" in warm) != reused  # a reused warm start runs no SFT step
     # Two-version samples depend on timing here; test_envmanager_vllm.py checks them deterministically.
     if mode == "sync":
         assert all(len(s.policy_versions) == 1 for _, samples in trained for s in samples)

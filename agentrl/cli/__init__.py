@@ -1,6 +1,7 @@
 """`agentrl` command line. Each command lives in its own module with `register(subparsers, common)`.
 
-User mistakes (bad config, unknown env id, ...) print one line to stderr and exit 2, without a traceback.
+User mistakes (bad config, unknown env id, ...) print one line to stderr and exit 2, without a traceback
+(`--verbose`, anywhere on the command line, prints the traceback above that line).
 Options may come anywhere after the command (`agentrl train cfg.yaml --import mod a.b=1`), and are never
 abbreviated (`--token` is not taken for `--token-env`).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from agentrl.config import ConfigError
 from agentrl.plugins import UserImportError
@@ -26,6 +28,7 @@ COMMAND_MODULES = [
     "tools_cmd",
     "export_cmd",
     "examples_cmd",
+    "init_cmd",
 ]
 
 
@@ -77,20 +80,43 @@ def build_parser() -> argparse.ArgumentParser:
         prog="agentrl",
         description="Agentic multi-turn RL for LLMs: text envs + tools -> async rollout -> FSDP2 training.",
     )
+    _add_verbose(common)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
         importlib.import_module(f"agentrl.cli.{name}").register(sub, common)
+    _add_verbose(parser)
     return parser
+
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """`--verbose` on `parser` and every (sub)command under it that lacks it, so that it is taken before or after
+    any command. SUPPRESS: a subcommand's default would otherwise overwrite a leading `agentrl --verbose CMD`;
+    main() sets args.verbose either way."""
+    if "--verbose" not in parser._option_string_actions:
+        parser.add_argument(
+            "--verbose",
+            action="store_true",
+            default=argparse.SUPPRESS,
+            help="on a user mistake, print the traceback too (not only the one-line error)",
+        )
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):
+                _add_verbose(child)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.verbose = bool(getattr(args, "verbose", False))
     try:
         import_user_modules(getattr(args, "imports", None))
         code = args.func(args)
     except (ConfigError, UsageError) as err:
+        if args.verbose:
+            err.__suppress_context__ = False  # `raise ... from None` hid the underlying error: show it here
+            traceback.print_exc()
         prefix = "config error" if isinstance(err, ConfigError) else "error"
         print(f"agentrl: {prefix}: {' '.join(str(err).split())}", file=sys.stderr)
         return 2

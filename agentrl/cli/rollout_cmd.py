@@ -37,9 +37,11 @@ def _fleet(cfg, model_path: str, ref: str | None = None) -> list:
     actors get instead of the local `model_path` (a hub id, which each resolves on its own node)."""
     from agentrl.envmanager.manager import start_managers
     from agentrl.platform import cluster_platform
+    from agentrl.preflight import check_before_ray
     from agentrl.rollout.fleet import start_engines, start_router
     from agentrl.startup import check_before_start, init_ray
 
+    check_before_ray(cfg, model_path)
     init_ray(cfg.ray_address)
     platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (maybe GPU-less) node's
     check_before_start(cfg, model_path, platform)

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 def _serve(args: argparse.Namespace) -> int:
     from agentrl.config.loader import resolve_config_path
-    from agentrl.tools.serve import ServeError, check_bind, load_tools_file, serve
+    from agentrl.tools.serve import ServeError, check_bind, check_port, load_tools_file, serve
     from agentrl.tools.server import ServerLimits
 
     token = None
@@ -39,6 +39,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         check_bind(args.host, token)  # before loading tools: fail fast and cheap
         tools = load_tools_file(resolve_config_path(args.tools_file))
+        check_port(args.host, args.port)  # in use: one line saying what to do, not uvicorn's log and exit 1
     except ServeError as err:
         raise UsageError(str(err)) from None
     limits = ServerLimits(

@@ -273,9 +273,11 @@ def check_model_path(key: str, path: str, marker: str = "config.json", revision:
     local = Path(path).expanduser()
     if path.startswith(("/", "./", "../", "~")) or path in (".", "..") or local.exists():
         if not local.exists():
-            raise ConfigError(f"{key}: {path} does not exist")
+            raise ConfigError(f"{key}: {path} does not exist: {_model_path_fix(key)}")
         if not (local / marker).is_file():
-            raise ConfigError(f"{key}: {path} is not a Hugging Face model directory (no {marker})")
+            raise ConfigError(
+                f"{key}: {path} is not a Hugging Face model directory (no {marker}): {_model_path_fix(key)}"
+            )
         return
     if _offline():
         from huggingface_hub import try_to_load_from_cache
@@ -285,6 +287,15 @@ def check_model_path(key: str, path: str, marker: str = "config.json", revision:
         repo_id, pinned = split_ref(path)
         if not isinstance(try_to_load_from_cache(repo_id, marker, hub_cache_dir(), pinned or revision), str):
             raise ConfigError(f"{key}: {path!r} is no local directory, and no hub model in the local cache (offline)")
+
+
+def _model_path_fix(key: str) -> str:
+    if key == "model.tokenizer":
+        return "set model.tokenizer to a local tokenizer folder or a hub id, or remove it to use the model's"
+    return (
+        f"set {key} to a local Hugging Face model folder (with config.json), a hub id such as Qwen/Qwen3-0.6B, "
+        "or builtin:tiny (the built-in tiny model)"
+    )
 
 
 def check_model_paths(cfg: Config) -> None:

@@ -245,6 +245,11 @@ class SFTConfig(Section):
     steps: int = Field(200, ge=0)
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
+    cache: bool = Field(
+        False,
+        description="reuse the warm start of an earlier run with the same model, train envs and SFT settings "
+        "(whatever its seed), kept in model.cache_dir; a run that finds none saves its own there",
+    )
 
 
 class MegatronConfig(Section):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
@@ -230,9 +231,9 @@ def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any =
     return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]
 
 
-async def evaluate(cfg: Config, managers: list[Any]) -> dict[str, float]:
+async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = lambda: None) -> dict[str, float]:
     """`validation.episodes_per_tag` held-out episodes per val tag (the train tags when there are none),
-    spread over the env managers; success and return per tag."""
+    spread over the env managers; success and return per tag. tick() is called as each episode ends."""
     from agentrl.step_metrics import validation_metrics
 
     v = cfg.validation
@@ -242,4 +243,10 @@ async def evaluate(cfg: Config, managers: list[Any]) -> dict[str, float]:
         for tag, spec in envs.items()
         for i in range(v.episodes_per_tag)
     ]
-    return validation_metrics(list(await asyncio.gather(*jobs))) if jobs else {}
+
+    async def counted(job: Any) -> Group:
+        group = await job
+        tick()
+        return group
+
+    return validation_metrics(list(await asyncio.gather(*map(counted, jobs)))) if jobs else {}

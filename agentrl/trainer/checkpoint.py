@@ -9,6 +9,7 @@ model dir without the original model path.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -70,14 +71,26 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device_module: 
 
 
 def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
-    """Rebuild a transformers-loadable model dir from a sharded checkpoint, in one process."""
+    """Rebuild a transformers-loadable model dir from a trainer checkpoint of either backend, in one process
+    (no process group, no GPU)."""
+    ckpt = Path(ckpt_dir)
+    hf = ckpt / "hf"
+    if not (ckpt / "meta.json").exists() or not (hf / "config.json").exists():
+        raise FileNotFoundError(f"{ckpt} is not an agentrl checkpoint (needs meta.json and hf/config.json)")
+    if json.loads((ckpt / "meta.json").read_text()).get("backend", "fsdp2") == "megatron":
+        from agentrl.trainer.backends.megatron_bridge import export_hf as export_megatron
+
+        export_megatron(str(ckpt), str(out_dir), hf_path=str(hf))
+        return str(out_dir)
+    return _export_dcp(ckpt, out_dir)
+
+
+def _export_dcp(ckpt: Path, out_dir: str | Path) -> str:
+    """The FSDP2 backend's checkpoint (DCP shards, the policy under 'model') as an HF model dir."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    ckpt = Path(ckpt_dir)
     hf = ckpt / "hf"
-    if not (ckpt / ".metadata").exists() or not (hf / "config.json").exists():
-        raise FileNotFoundError(f"{ckpt} is not an agentrl checkpoint (needs .metadata and hf/config.json)")
     config = AutoConfig.from_pretrained(hf)
     # Built on CPU, not on the meta device: rotary inv_freq buffers are not in the state dict.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -102,10 +102,10 @@ class TrainerGroup:
             merged.update(part)
         return [merged[i] for i in range(len(samples))]
 
-    def export_weights(self, out_dir: str, dtype: str = "float32") -> str:
+    def export_weights(self, out_dir: str, dtype: str = "float32", prune_older: bool = False) -> str:
         """Full weights as HF safetensors in `out_dir`, cast to `dtype`: an engine's reload_weights dir
-        (rollout.weight_sync=disk)."""
-        return self._get(self._call("export_weights", out_dir, dtype))
+        (rollout.weight_sync=disk, which prunes the older snapshots) or a cached warm start."""
+        return self._get(self._call("export_weights", out_dir, dtype, prune_older))
 
     def write_sentinel(self, path: str, dtype: str) -> None:
         """Rank 0 writes `path` after checking its folder has room for two snapshots in `dtype` (disk sync)."""

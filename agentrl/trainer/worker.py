@@ -297,6 +297,7 @@ class TrainerRank:
         t0 = time.perf_counter()
         if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
             self.sft_opt = None
+            self.opt.sync_from_model()
         rl = self._prepare(samples)
         gap = self._rollout_gap(samples, rl.fields.get("prox"))
         sums, grad_norms, lrs = self._optimize(rl)
@@ -474,9 +475,10 @@ class TrainerRank:
 
     # ---- weights and state ---------------------------------------------------------------------------------
 
-    def export_weights(self, out_dir: str, dtype: str = "float32") -> str:
-        """Full weights as HF-named safetensors (+ config) in the engines' dtype, by rank 0: what engines'
-        reload_weights read (rollout.weight_sync=disk). Collective: every rank walks the backend's gathers."""
+    def export_weights(self, out_dir: str, dtype: str = "float32", prune_older: bool = False) -> str:
+        """Full weights as HF-named safetensors (+ config) in `dtype`, by rank 0: what engines' reload_weights
+        read (rollout.weight_sync=disk; `prune_older` then removes the earlier `v*` snapshots beside it), or a
+        cached warm start. Collective: every rank walks the backend's gathers."""
         cast, state = getattr(torch, dtype), {}
         for name, t in self.backend.full_weights(self.model, self.tied):
             if self.rank == 0:
@@ -485,7 +487,8 @@ class TrainerRank:
             write_safetensors(state, out_dir)
             if not os.path.exists(os.path.join(out_dir, "config.json")):
                 copy_hf_side_files(self.model_path, out_dir)
-            _remove_older_snapshots(out_dir)
+            if prune_older:
+                _remove_older_snapshots(out_dir)
         dist.barrier()
         return out_dir
 

@@ -22,7 +22,10 @@ Role = Literal["policy", "reference", "critic"]
 
 
 class TrainOptimizer(ABC):
-    """One optimizer with its learning-rate schedule and gradient clipping, as a step drives it."""
+    """One optimizer with its learning-rate schedule and gradient clipping, as a step drives it; `model` is the
+    model it steps."""
+
+    model: nn.Module
 
     @abstractmethod
     def zero_grad(self) -> None: ...
@@ -36,6 +39,11 @@ class TrainOptimizer(ABC):
     @abstractmethod
     def lr(self) -> float:
         """The learning rate the next `step` applies."""
+
+    def sync_from_model(self) -> None:
+        """Take the model's current weights as this optimizer's starting point (another optimizer changed them
+        since it was built). Nothing to do where the optimizer steps the model's own parameters."""
+        return None
 
 
 class ModelBackend(ABC):
@@ -86,8 +94,8 @@ class ModelBackend(ABC):
     def save_checkpoint(
         self, ckpt_dir: str, models: dict[str, nn.Module], optimizers: dict[str, TrainOptimizer], extra: dict
     ) -> None:
-        """Collective: models ('policy', 'critic') and optimizers (with their schedules) under `ckpt_dir`, plus
-        this rank's `extra` (RNG state, counters)."""
+        """Collective: models ('policy', 'critic') and named optimizers ('optim', 'sft_optim', 'critic_optim';
+        each knows its `model`) with their schedules under `ckpt_dir`, plus this rank's `extra` (RNG, counters)."""
 
     @abstractmethod
     def load_checkpoint(
