@@ -83,3 +83,12 @@ def test_megatron_on_cpu_without_the_test_shim_is_refused_in_one_line(tmp_path):
                   env={"AGENTRL_MEGATRON_CPU_SHIM": None, "AGENTRL_PLATFORM": "cpu"})  # fmt: skip
     assert_one_line_error(res, "trainer.backend=megatron", "fsdp2")
     assert not (tmp_path / "run").exists()
+
+
+def test_parallel_sizes_the_rank_count_cannot_hold_fail_in_one_line(tmp_path):
+    res = agentrl("train", str(EXAMPLE), "trainer.num_ranks=3", f"logging.run_dir={tmp_path / 'run'}")
+    assert_one_line_error(res, "trainer.num_ranks=3", "tensor_parallel x pipeline_parallel x context_parallel")
+    res = agentrl("train", str(EXAMPLE), "trainer.num_ranks=4", "trainer.megatron.expert_parallel=4",
+                  f"logging.run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert_one_line_error(res, "expert_parallel=4", "data_parallel x context_parallel")
+    assert not (tmp_path / "run").exists()
