@@ -6,7 +6,9 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -62,3 +64,24 @@ def spawn() -> Iterator[Callable[..., subprocess.Popen]]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.fixture(scope="session")
+def wheel_site(tmp_path_factory) -> Path:
+    """agentrl built as a wheel and installed (not editable, no dependencies) into a folder of its own: with that
+    folder first on PYTHONPATH a child process imports the package as a user who pip-installed it would, while
+    the dependencies come from this environment."""
+    target = tmp_path_factory.mktemp("wheel") / "site"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(root)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    return target
+
+
+def wheel_env(site: Path) -> dict[str, str]:
+    """This process's environment with the wheel install first on PYTHONPATH (Ray workers inherit it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)}

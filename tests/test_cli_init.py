@@ -11,6 +11,7 @@ from pathlib import Path
 import tomllib
 
 from tests.cli_run import ROOT, agentrl, assert_one_line_error
+from tests.conftest import wheel_env
 
 TEMPLATE = ROOT / "agentrl" / "templates" / "project"
 LAYOUT = [
@@ -30,8 +31,10 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
-def test_init_writes_a_project_whose_tests_pass(tmp_path: Path) -> None:
-    res = agentrl("init", "myproj", cwd=tmp_path)
+def test_init_writes_a_project_whose_tests_pass(tmp_path: Path, wheel_site: Path) -> None:
+    """As a user who pip-installed agentrl (a wheel, not this checkout) would: init, then the project's tests."""
+    env = wheel_env(wheel_site)
+    res = agentrl("init", "myproj", cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr
     project = tmp_path / "myproj"
     assert _files(project) == LAYOUT
@@ -40,6 +43,7 @@ def test_init_writes_a_project_whose_tests_pass(tmp_path: Path) -> None:
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=project,
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,

@@ -3,11 +3,14 @@ install; the example configs ship as package data."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import tomllib
+
+from tests.conftest import wheel_env
 
 ROOT = Path(__file__).parents[1]
 MAPPING = {
@@ -36,25 +39,8 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert not missing, f"add to [tool.setuptools] packages in pyproject.toml: {sorted(missing)}"
 
 
-def test_wheel_install_maps_namespaces(tmp_path):
-    target = tmp_path / "site"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "install",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "--target",
-            str(target),
-            str(ROOT),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+def test_wheel_install_maps_namespaces(tmp_path, wheel_site):
+    target = wheel_site
     assert (target / "agentrl" / "envs" / "__init__.py").exists()
     assert not (target / "envs").exists() and not (target / "tools").exists()
     env = {"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"}
@@ -71,3 +57,22 @@ def test_wheel_install_maps_namespaces(tmp_path):
     for name in ("envs", "tools", "reward", "examples"):
         bad = subprocess.run([sys.executable, "-c", f"import {name}"], cwd=tmp_path, env=env, capture_output=True)
         assert bad.returncode != 0, f"`import {name}` must not work"
+
+
+def test_the_card_command_runs_from_a_wheel_install_in_an_empty_directory(tmp_path, wheel_site):
+    """A user who pip-installed agentrl types the product's own command in an empty folder: the bare example
+    name resolves to the packaged config, and a short run trains and reports held-out success before and after."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cmd = [sys.executable, "-m", "agentrl", "train", "agentic_sokoban.yaml", "trainer.total_steps=2",
+           "trainer.sft.steps=10", "validation.episodes_per_tag=8", "trainer.sft.episodes=200",
+           "envs.train.sokoban.groups_per_batch=4", "checkpoint.every_steps=0"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=empty, env=wheel_env(wheel_site), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert str(wheel_site / "agentrl" / "examples" / "agentic_sokoban.yaml") in res.stdout + res.stderr
+    assert "held-out success" in res.stdout
+    runs = list((empty / "runs").glob("*/metrics.jsonl"))
+    assert len(runs) == 1 and sorted(empty.iterdir()) == [empty / "runs"], "the run writes only under runs/"
+    rows = [json.loads(line) for line in runs[0].read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/loss" in r] == [1, 2]
+    assert sum("val/success" in r for r in rows) == 2

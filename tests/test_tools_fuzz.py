@@ -81,6 +81,8 @@ def test_fuzz_openapi_no_server_errors():
                     failures.append(f"{op.label} [{mode.value}] -> {response.status_code}: {case.body!r:.200}")
                 elif mode is GenerationMode.POSITIVE and response.status_code in (400, 422):
                     failures.append(f"{op.label}: schema-valid request rejected: {response.text[:200]}")
+                elif response.status_code == 400 and response.text == "Invalid HTTP request received.":
+                    pass  # uvicorn's HTTP parser refused it (e.g. `transfer-encoding: "`) before the app saw it
                 else:
                     try:
                         case.validate_response(response, headers=AUTH)

@@ -113,7 +113,7 @@ def evaluate(expression: str) -> int | float:
 
 
 @tool
-def calculator(expression: str) -> str:
+async def calculator(expression: str) -> str:  # async: on the event loop (evaluation is bounded, ~1 ms at worst)
     """Evaluate an arithmetic expression exactly (integers) or as a float.
 
     Args:

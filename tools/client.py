@@ -1,31 +1,79 @@
 """Async client for `agentrl serve-tools`, used by env managers through `Toolbox` (url: tools).
 
-One pooled httpx client per server. Retries (exponential backoff with jitter) happen only where a retry
-is safe or the server asks for it: connection errors (the request never reached the tool) and 5xx answers
-(including 503 "busy", honouring Retry-After). A read timeout is never retried: the tool may be running.
-Every failure comes back as a `ToolResult(ok=False)` whose content tells the model what happened.
+One aiohttp session (keep-alive connection pool) per server and event loop. Retries (exponential backoff with
+jitter) happen only where a retry is safe or the server asks for it: connection errors (the request never
+reached the tool, or the server dropped the connection without answering) and 5xx answers (including 503
+"busy", honouring Retry-After). A timeout is never retried: the tool may be running. Every failure comes back as
+a `ToolResult(ok=False)` whose content tells the model what happened.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import random
 import time
 from typing import Any
+from urllib.parse import quote
 
-import httpx
+import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from agentrl.tools.core import ToolResult
 
-_RETRYABLE_EXC = (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError, httpx.PoolTimeout)
+# The request never reached the tool, or the server dropped it unanswered: safe to send again. A timeout
+# (asyncio.TimeoutError, aiohttp.ServerTimeoutError) is not: the tool may be running.
+_RETRYABLE_EXC: tuple[type[BaseException], ...] = (
+    aiohttp.ClientConnectorError,  # refused, unreachable, DNS (also proxy connection errors)
+    aiohttp.ConnectionTimeoutError,  # connecting took over the connect timeout
+    aiohttp.ServerDisconnectedError,  # closed without (a whole) answer
+    aiohttp.ClientPayloadError,  # closed in the middle of its answer
+    aiohttp.ClientResponseError,  # with raise_for_status=False only a malformed answer raises this
+)
+_TIMEOUT_EXC = (asyncio.TimeoutError, aiohttp.ServerTimeoutError)  # ConnectionTimeoutError is caught first
+_HTTP_EXC = (aiohttp.ClientError, asyncio.TimeoutError)
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class ToolServerError(RuntimeError):
     """A management call (list tools, sessions, health) failed after retries."""
 
 
+class _Response:
+    """An answer read whole: status_code, headers (case-insensitive), content, text, json()."""
+
+    __slots__ = ("content", "headers", "status_code")
+
+    def __init__(self, status_code: int, headers: Any, content: bytes) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self.content = content
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+    def json(self) -> Any:
+        return json.loads(self.content)
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(total: float) -> aiohttp.ClientTimeout:
+    """Whole-request timeout (waiting for a pooled connection included); connecting alone at most 5 s."""
+    return aiohttp.ClientTimeout(total=total, sock_connect=min(5.0, total))
+
+
+def _describe_exc(err: BaseException) -> str:
+    if isinstance(err, aiohttp.ClientResponseError):  # a malformed answer: aiohttp's parser says what was wrong
+        return f"malformed answer: {err.message}"
+    return f"{type(err).__name__}: {err}"
+
+
 class ToolClient:
-    """Talks to one tool server. Safe to share between many concurrent episodes."""
+    """Talks to one tool server. Safe to share between many concurrent episodes (of one event loop; a client
+    used from a new event loop opens a new session there: aiohttp sessions belong to one loop)."""
 
     def __init__(
         self,
@@ -35,28 +83,76 @@ class ToolClient:
         retries: int = 3,
         backoff_s: float = 0.05,
         max_connections: int = 256,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-            transport=transport,
-        )
+        self.max_connections = max_connections
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._urls: dict[str, URL] = {}
 
-    async def _request(self, method: str, path: str, timeout_s: float | None = None, **kw: Any) -> httpx.Response:
+    def _http(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._session is None:
+            if self._closed:
+                raise aiohttp.ClientConnectionError("ToolClient is closed")
+            if self._session is not None and self._session.connector is not None:
+                self._session.connector._close()  # of a finished loop: its connections died with it
+            connector = aiohttp.TCPConnector(
+                limit=self.max_connections,  # one server per client: the per-host limit is the same
+                limit_per_host=self.max_connections,
+                force_close=False,
+                keepalive_timeout=4.0,  # under uvicorn's 5 s, so the client drops idle connections first
+                ttl_dns_cache=300,
+            )
+            try:  # HTTP(S)_PROXY / NO_PROXY (and the proxy's ~/.netrc login), read once as httpx did
+                proxy, proxy_auth = get_env_proxy_for_url(URL(self.base_url))
+            except LookupError:
+                proxy, proxy_auth = None, None
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                headers=self._headers,
+                timeout=_timeout(self.timeout_s),
+                raise_for_status=False,
+                # not trust_env=True: it looks the proxy up again on every request, in a worker thread
+                proxy=proxy,
+                proxy_auth=proxy_auth,
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+            self._loop = loop
+        return self._session
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = URL(self.base_url + path)
+            if len(self._urls) < 4096:
+                self._urls[path] = url
+        return url
+
+    async def _send(self, method: str, path: str, timeout_s: float | None, body: bytes | None) -> _Response:
+        """One attempt, its answer read whole."""
+        async with self._http().request(
+            method,
+            self._url(path),
+            data=body,
+            headers=_JSON_HEADERS if body is not None else None,
+            timeout=_timeout(timeout_s or self.timeout_s),  # not None: to aiohttp that is no timeout at all
+            allow_redirects=False,
+        ) as resp:
+            return _Response(resp.status, resp.headers, await resp.read())
+
+    async def _request(self, method: str, path: str, timeout_s: float | None = None, json: Any = None) -> _Response:
         """Send, retrying connection errors and 5xx; returns the last response or raises the last error."""
-        timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s)) if timeout_s else httpx.USE_CLIENT_DEFAULT
+        body = _dumps(json) if json is not None else None
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                resp = await self._http.request(method, path, timeout=timeout, **kw)
+                resp = await self._send(method, path, timeout_s, body)
             except _RETRYABLE_EXC:
                 if last:
                     raise
@@ -87,16 +183,18 @@ class ToolClient:
         start = time.perf_counter()
         body = {"arguments": arguments, "session_id": session_id}
         try:
-            resp = await self._request("POST", f"/tools/{name}/call", timeout_s=timeout_s, json=body)
-        except httpx.TimeoutException:
+            resp = await self._request("POST", _call_path(name), timeout_s=timeout_s, json=body)
+        except _TIMEOUT_EXC:
             return ToolResult.failure(f"{name} timed out waiting for the tool server", time.perf_counter() - start)
-        except httpx.HTTPError as err:
-            msg = f"tool server unreachable for {name}: {type(err).__name__}: {err}"
+        except aiohttp.ClientError as err:
+            msg = f"tool server unreachable for {name}: {_describe_exc(err)}"
             return ToolResult.failure(msg, time.perf_counter() - start)
+        except (TypeError, ValueError) as err:  # arguments json cannot encode (NaN, objects)
+            return ToolResult.failure(f"arguments of {name} are not JSON: {err}", time.perf_counter() - start)
         elapsed = time.perf_counter() - start
         if resp.status_code == 200:
             try:
-                return ToolResult.model_validate(resp.json())
+                return ToolResult.model_validate_json(resp.content)
             except ValueError:
                 return ToolResult.failure(f"tool server sent a malformed result for {name}", elapsed)
         return ToolResult.failure(_describe_error(name, resp), elapsed)
@@ -114,17 +212,23 @@ class ToolClient:
     async def health(self) -> dict[str, Any]:
         return (await self._checked("GET", "/health")).json()
 
-    async def _checked(self, method: str, path: str, **kw: Any) -> httpx.Response:
+    async def _checked(self, method: str, path: str, **kw: Any) -> _Response:
         try:
             resp = await self._request(method, path, **kw)
-        except httpx.HTTPError as err:
-            raise ToolServerError(f"{method} {self.base_url}{path}: {type(err).__name__}: {err}") from err
+        except _HTTP_EXC as err:
+            raise ToolServerError(f"{method} {self.base_url}{path}: {_describe_exc(err)}") from err
         if resp.status_code >= 400:
             raise ToolServerError(f"{method} {self.base_url}{path}: {_describe_error('', resp)}")
         return resp
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            if self._loop is asyncio.get_running_loop():
+                await session.close()
+            elif session.connector is not None:
+                session.connector._close()  # of a finished loop
 
     async def __aenter__(self) -> ToolClient:
         return self
@@ -133,11 +237,23 @@ class ToolClient:
         await self.aclose()
 
 
-def _describe_error(name: str, resp: httpx.Response) -> str:
+_encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)  # compact, UTF-8, no NaN
+
+
+def _dumps(obj: Any) -> bytes:
+    return _encoder.encode(obj).encode()
+
+
+@functools.lru_cache(maxsize=1024)
+def _call_path(name: str) -> str:
+    return f"/tools/{quote(name, safe='')}/call"
+
+
+def _describe_error(name: str, resp: _Response) -> str:
     """Turn an HTTP error answer into one line the model (or a person) can act on."""
     try:
         detail = resp.json().get("detail", resp.text)
-    except ValueError:
+    except (ValueError, AttributeError):
         detail = resp.text
     if resp.status_code == 422 and isinstance(detail, list):  # FastAPI validation: name the fields
         parts = []

@@ -7,6 +7,7 @@ or a whole run config with a `tools:` key; every `python:` tool of every set is 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import json
 import logging
@@ -49,6 +50,30 @@ def check_bind(host: str, token: str | None) -> None:
         )
 
 
+def check_port(host: str, port: int) -> None:
+    """`host:port` can be bound now: a port in use is one line saying what to do (uvicorn would log its own error
+    and exit 1 after the tools load)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ServeError(
+            f"--host {host}: cannot resolve it ({err.strerror}); use an address such as 127.0.0.1"
+        ) from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise ServeError(
+                    f"port {port} on {host} is already in use (another serve-tools?): pass a free one with --port N, "
+                    f"or stop the process listening on it (`ss -ltnp 'sport = :{port}'` names it)"
+                ) from None
+            if err.errno == errno.EACCES:
+                raise ServeError(f"cannot bind {host}:{port}: permission denied; use a port above 1023") from None
+            raise ServeError(f"cannot bind {host}:{port}: {err.strerror}; pick another --host or --port") from None
+
+
 def load_tools_file(path: str | Path) -> list[Tool]:
     """TOOLS.yaml -> the python tools it names (url: tools are refused: a server does not proxy)."""
     try:
@@ -87,7 +112,8 @@ def load_tools_file(path: str | Path) -> list[Tool]:
 
 
 def enable_access_log(stream: Any = None) -> None:
-    """One JSON object per request on stderr (method, path, status, ms, client)."""
+    """One JSON object per request and line on stderr (method, path, status, ms, client); the lines of requests
+    that finish in the same event-loop turn arrive as one log record (see `_GuardMiddleware._flush_log`)."""
     if access_log.handlers:
         return
     handler = logging.StreamHandler(stream or sys.stderr)
