@@ -2,15 +2,20 @@
 trackers.
 
 Metric names are a contract that tests and benchmarks read: `timing/...`, `throughput/...`, `idle/...`, etc.
-Optional trackers (wandb, mlflow, swanlab) are imported only when configured.
+Optional trackers (wandb, mlflow, swanlab) are imported only when configured and write locally by default
+(TrackerBackend).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import math
+import os
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -48,45 +53,123 @@ class TensorBoardBackend:
         self._writer.close()
 
 
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config -> one level, keys joined by '.' (`trainer.lr`); an empty mapping stays a value."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_config(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    """`name=value` in os.environ while the block runs (unless already set), as it was afterwards."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
+
+
+_TRACKER_PACKAGES = {"wandb": "wandb", "mlflow": "mlflow", "swanlab": "swanlab"}
+
+
 class TrackerBackend:
-    """wandb / mlflow / swanlab, imported lazily; a missing package is a clear error at start-up."""
+    """wandb / mlflow / swanlab, imported lazily; a missing package is a one-line config error at start-up.
 
-    def __init__(self, name: str, project: str, run_name: str, config: dict[str, Any]):
+    Each writes locally under the run dir unless the library's own environment variable says otherwise:
+    - wandb: offline run in RUN_DIR/wandb (WANDB_MODE=online syncs to the cloud);
+    - MLflow: file store RUN_DIR/mlruns (MLFLOW_TRACKING_URI points it at a server); MLflow 3 opens a file store only
+      with MLFLOW_ALLOW_FILE_STORE=true, so `MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri RUN_DIR/mlruns`;
+    - SwanLab: offline run in RUN_DIR/swanlog (SWANLAB_MODE=online uploads).
+    The flat config is the run's config/params, every metric keeps its agentrl name, and close(plot) attaches the
+    run's curves PNG (an image in wandb/SwanLab, an artifact in MLflow) before ending the run."""
+
+    def __init__(self, name: str, project: str, run_name: str, config: Mapping[str, Any], run_dir: Path):
+        if name not in _TRACKER_PACKAGES:
+            raise ValueError(f"unknown tracker {name!r} (known: {', '.join(_TRACKER_PACKAGES)})")
         self.name = name
+        self._last_step = 0
         try:
-            if name == "wandb":
-                import wandb as mod
-
-                self._run = mod.init(project=project, name=run_name, config=config)
-            elif name == "swanlab":
-                import swanlab as mod
-
-                self._run = mod.init(project=project, experiment_name=run_name, config=config)
-            elif name == "mlflow":
-                import mlflow as mod
-
-                mod.set_experiment(project)
-                self._run = mod.start_run(run_name=run_name)
-                mod.log_params({k: str(v)[:250] for k, v in config.items()})
-            else:
-                raise ValueError(f"unknown tracker {name!r}")
+            mod = importlib.import_module(_TRACKER_PACKAGES[name])
         except ImportError as err:
-            raise RuntimeError(
-                f"logging.trackers has {name!r} but it is not installed: pip install agentrl[tracking]"
+            from agentrl.config.loader import ConfigError
+
+            raise ConfigError(
+                f"logging.trackers lists {name!r} but the {name} package is not installed: "
+                "pip install 'agentrl[tracking]'"
             ) from err
         self._mod = mod
+        flat = flatten_config(config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if name == "wandb":
+            self._run = mod.init(
+                project=project,
+                name=run_name,
+                config=flat,
+                dir=str(run_dir),
+                mode=None if os.environ.get("WANDB_MODE") else "offline",
+                settings=mod.Settings(console="off", silent=True),
+            )
+        elif name == "swanlab":
+            self._run = mod.init(
+                project=project,
+                experiment_name=run_name,
+                config=flat,
+                logdir=str(run_dir / "swanlog"),
+                mode=None if os.environ.get("SWANLAB_MODE") else "offline",
+            )
+        else:
+            from mlflow.entities import Param
+
+            uri = os.environ.get("MLFLOW_TRACKING_URI")
+            if uri:
+                self._client = mod.MlflowClient(tracking_uri=uri)
+            else:  # MLflow 3.x keeps its file store behind an opt-in (its sqlite default needs the full server)
+                with _env("MLFLOW_ALLOW_FILE_STORE", "true"):
+                    self._client = mod.MlflowClient(tracking_uri=(run_dir / "mlruns").absolute().as_uri())
+            experiment = self._client.get_experiment_by_name(project)
+            experiment_id = experiment.experiment_id if experiment else self._client.create_experiment(project)
+            self._run_id = self._client.create_run(experiment_id, run_name=run_name).info.run_id
+            params = [Param(k, (v if isinstance(v, str) else json.dumps(v))[:6000]) for k, v in flat.items()]
+            for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                self._client.log_batch(self._run_id, params=params[i : i + 100])
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._last_step = max(self._last_step, step)
         if self.name == "mlflow":
-            self._mod.log_metrics({k.replace("/", "."): v for k, v in metrics.items()}, step=step)
-        else:
-            self._mod.log(dict(metrics), step=step)
+            from mlflow.entities import Metric
 
-    def close(self) -> None:
-        if self.name == "mlflow":
-            self._mod.end_run()
+            now = int(time.time() * 1000)
+            batch = [Metric(k, v, now, step) for k, v in metrics.items()]
+            for i in range(0, len(batch), 1000):  # MLflow takes at most 1000 metrics a batch
+                self._client.log_batch(self._run_id, metrics=batch[i : i + 1000])
         else:
-            self._mod.finish()
+            self._run.log(dict(metrics), step=step)
+
+    def close(self, plot: Path | None = None) -> None:
+        try:
+            if plot is not None and plot.exists():
+                if self.name == "mlflow":
+                    self._client.log_artifact(self._run_id, str(plot))
+                else:  # at the last step: wandb drops a log for a step below one it has seen
+                    self._run.log({"plot": self._mod.Image(str(plot))}, step=self._last_step)
+        finally:
+            if self.name == "mlflow":
+                self._client.set_terminated(self._run_id)
+            else:
+                self._run.finish()
+            if self.name == "wandb" and self._mod.run is None:
+                # finish() can return before wandb-core has written the run's .wandb file past its header; stopping
+                # the service (none of our runs is left) flushes it, so the run on disk is whole when close() returns
+                self._mod.teardown()
 
 
 class MetricsSink:
@@ -103,6 +186,9 @@ class MetricsSink:
     ):
         self.run_dir = Path(run_dir)
         self.backends: list[MetricsBackend] = []
+        self.trackers: list[TrackerBackend] = []
+        self._jsonl = jsonl
+        tensorboard = tensorboard or "tensorboard" in trackers  # listed there, it turns the TensorBoard backend on
         if jsonl:
             self.backends.append(JsonlBackend(self.run_dir / "metrics.jsonl"))
         if tensorboard:
@@ -113,18 +199,37 @@ class MetricsSink:
             console = RunView()
         if console:  # the run's view (agentrl.console): live progress on a TTY, plain lines elsewhere
             self.backends.append(console)
-        for name in trackers:
-            self.backends.append(TrackerBackend(name, project, run_name, config or {}))
+        try:
+            for name in dict.fromkeys(trackers):
+                if name != "tensorboard":
+                    self.trackers.append(TrackerBackend(name, project, run_name, config or {}, self.run_dir))
+        except BaseException:
+            self.close(plot=False)
+            raise
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         numeric = {k: float(v) for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)}
         numeric.update({k: float(v) for k, v in metrics.items() if isinstance(v, bool)})
-        for backend in self.backends:
+        for backend in [*self.backends, *self.trackers]:
             backend.log(step, numeric)
 
-    def close(self) -> None:
+    def close(self, plot: bool = True) -> None:
+        """Closes every backend; with trackers and the JSONL file, the run's plot (agentrl.plotting) goes to each
+        tracker first."""
         for backend in self.backends:
             backend.close()
+        self.backends = []
+        png = None
+        if plot and self.trackers and self._jsonl:
+            from agentrl.plotting import plot_run
+
+            try:
+                png = plot_run(self.run_dir)
+            except Exception as err:  # a plot that fails must not keep the trackers' runs open
+                print(f"agentrl: no plot for the trackers: {err}", file=sys.stderr)
+        trackers, self.trackers = self.trackers, []
+        for tracker in trackers:
+            tracker.close(png)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

