@@ -74,13 +74,20 @@ class Pipeline:
             ref = self.model_path = str(self.warm_cache)
         platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
         check_before_start(cfg, self.model_path, platform)
-        self.trainer = TrainerGroup(cfg, ref, platform=platform)
-        check_run_dir_shared(run_dir, self.trainer)
         self.engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
         self.router = start_router(self.engines, cfg.rollout, model_path=ref, seed=cfg.seed)
+        # Engines load their weights while the trainer ranks start, unless disk sync must first check that every
+        # engine sees the folder trainer rank 0 writes (one line before any engine loads a model).
+        disk = cfg.rollout.resolved_weight_sync == "disk"
+        loading = [] if disk else [engine.start.remote() for engine in self.engines]
+        self.trainer = TrainerGroup(cfg, ref, platform=platform)
+        check_run_dir_shared(run_dir, self.trainer)
         self.weights = WeightSync(cfg, self.trainer, self.router, platform)
-        self.weights.check(self.engines)  # weights can reach every engine, or one line before any loads a model
-        start_created(self.engines)
+        self.weights.check(self.engines)
+        if disk:
+            start_created(self.engines)
+        else:
+            ray.get(loading)
         self.reward_pool = self._reward_pool()
         self.managers = start_managers(cfg, ref, self.router, self.reward_pool)
         train = cfg.envs.train
