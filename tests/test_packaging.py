@@ -13,6 +13,7 @@ import tomllib
 from tests.conftest import wheel_env
 
 ROOT = Path(__file__).parents[1]
+WIDTH = 72  # the $COLUMNS the card command's run gets
 MAPPING = {
     "agentrl": "agentrl",
     "agentrl.envs": "envs",
@@ -61,15 +62,28 @@ def test_wheel_install_maps_namespaces(tmp_path, wheel_site):
 
 def test_the_card_command_runs_from_a_wheel_install_in_an_empty_directory(tmp_path, wheel_site):
     """A user who pip-installed agentrl types the product's own command in an empty folder: the bare example
-    name resolves to the packaged config, and a short run trains and reports held-out success before and after."""
+    name resolves to the packaged config, and a short run trains and reports held-out success before and after.
+    Its console is not a terminal here: plain lines, none wider than $COLUMNS (tests/test_console.py checks the
+    live view in a terminal)."""
     empty = tmp_path / "empty"
     empty.mkdir()
     cmd = [sys.executable, "-m", "agentrl", "train", "agentic_sokoban.yaml", "trainer.total_steps=2",
            "trainer.sft.steps=10", "validation.episodes_per_tag=8", "trainer.sft.episodes=200",
            "envs.train.sokoban.groups_per_batch=4", "checkpoint.every_steps=0"]  # fmt: skip
-    res = subprocess.run(cmd, cwd=empty, env=wheel_env(wheel_site), capture_output=True, text=True, timeout=600)
+    env = {**wheel_env(wheel_site), "COLUMNS": str(WIDTH)}
+    env = {k: v for k, v in env.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE", "LINES")}
+    res = subprocess.run(cmd, cwd=empty, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert str(wheel_site / "agentrl" / "examples" / "agentic_sokoban.yaml") in res.stdout + res.stderr
+    example = str(wheel_site / "agentrl" / "examples" / "agentic_sokoban.yaml")
+    # every line fits, but the one announcing the resolved config: a path is printed whole, or it is no use
+    lines = [line for line in (res.stdout + res.stderr).splitlines() if example not in line]
+    assert not any("\x1b[" in line or "━" in line for line in lines)  # plain lines in a log
+    assert all(len(line) <= WIDTH for line in lines), [line for line in lines if len(line) > WIDTH]
+    for words in ("started Ray", "warm start: SFT", "demo samples", "validation at step 0: success", "step 1/2  ETA",
+                  "step 2/2", "validation at step 2: success", "best step", "resume"):  # fmt: skip
+        assert any(words in line for line in lines), words
+    assert not any("Token authentication" in line for line in lines)  # Ray's notices only with --verbose
+    assert f"using the packaged example {example}" in res.stderr
     assert "held-out success" in res.stdout
     runs = list((empty / "runs").glob("*/metrics.jsonl"))
     assert len(runs) == 1 and sorted(empty.iterdir()) == [empty / "runs"], "the run writes only under runs/"
