@@ -1,5 +1,6 @@
 """The Megatron-Core backend on CPU, against the plain HF model: weights round trip, log-probs and entropies,
-one AdamW step, the critic (values, one step), checkpoint resume and offline HF export, at TP1 x DP2 and TP2.
+one AdamW step, the critic (values, one step), checkpoint resume and offline HF export, at TP1 x DP2, TP2 and
+PP2 (Megatron's 1F1B pipeline schedule over gloo).
 
 Every check runs in torchrun processes of its own (tests/megatron_cpu/check_backend.py), with the test-only CUDA
 -> CPU shim installed there by tests/megatron_cpu/sitecustomize.py; the pytest process never imports Megatron.
@@ -17,10 +18,12 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIM_DIR = os.path.join(ROOT, "tests", "megatron_cpu")
-LAUNCHES = {  # name: (processes, tensor parallel, extra flags); two launches cover TP1 and TP2, both optimizers
+LAUNCHES = {  # name: (processes, tensor parallel, extra flags); TP1 and TP2 cover both optimizers
     "tp1_dp2": (2, 1, ["--recompute"]),  # two data-parallel replicas, distributed optimizer, recomputation
     "tp2": (2, 2, ["--no-distributed-optimizer"]),
+    "pp2": (2, 1, ["--pp", "2"]),  # two pipeline stages: the 1F1B schedule, tied embeddings on both ends
 }
+SCHEDULES = {1: "forward_backward_no_pipelining", 2: "forward_backward_pipelining_without_interleaving"}
 TOL = 1e-5
 
 
@@ -69,8 +72,9 @@ def run(request, launches) -> dict:
 def test_layout(run):
     nproc, tp, _ = LAUNCHES[run["launch"]]
     assert (run["world"], run["tp"]) == (nproc, tp)
-    assert run["dp_size"] == nproc // tp and run["dp_rank"] == 0
+    assert run["dp_size"] == nproc // (tp * run["pp"]) and run["dp_rank"] == 0
     assert run["dp_group_size"] == run["dp_size"]
+    assert run["schedule"] == SCHEDULES[run["pp"]]
 
 
 def test_hf_megatron_hf_roundtrip_bitexact(run):
@@ -87,6 +91,10 @@ def test_logprobs_and_entropy_match_hf(run, layout, model):
     assert run[f"entropy_diff_{layout}_{model}"] < TOL
     assert run["logprob_zero_outside_loss"]
     assert run["logprob_without_entropy_equal"]
+
+
+def test_several_micro_batches_of_different_shapes_in_one_schedule(run):
+    assert run["several_microbatches_diff"] < TOL
 
 
 def test_one_step_matches_torch_adamw(run):

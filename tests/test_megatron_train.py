@@ -91,4 +91,7 @@ def test_parallel_sizes_the_rank_count_cannot_hold_fail_in_one_line(tmp_path):
     res = agentrl("train", str(EXAMPLE), "trainer.num_ranks=4", "trainer.megatron.expert_parallel=4",
                   f"logging.run_dir={tmp_path / 'run'}")  # fmt: skip
     assert_one_line_error(res, "expert_parallel=4", "data_parallel x context_parallel")
+    res = agentrl("train", str(EXAMPLE), "trainer.megatron.context_parallel=2", "trainer.megatron.tensor_parallel=1",
+                  f"logging.run_dir={tmp_path / 'run'}")  # fmt: skip
+    assert_one_line_error(res, "context_parallel > 1 is not supported yet")
     assert not (tmp_path / "run").exists()

@@ -115,18 +115,18 @@ def test_strict_check_names_a_tensor_on_another_device(strict) -> None:
 
 
 @pytest.mark.parametrize(("loss", "kl_coef", "entropy_coef"), [("ppo_clip", 0.0, 0.0), ("decoupled_ppo", 0.05, 0.01)])
-def test_rl_micro_step_keeps_every_loss_tensor_on_the_rank_device_simulated(
+def test_rl_loss_keeps_every_loss_tensor_on_the_rank_device_simulated(
     strict, monkeypatch, loss, kl_coef, entropy_coef
 ) -> None:
-    """One micro-step with the rank's device `meta` (simulated accelerator) and a fake forward that asserts its
-    inputs are there: the losses, the backward and the returned sums must all stay on that device."""
+    """The RL loss of one micro-batch with the rank's device `meta` (simulated accelerator) and a fake forward
+    that asserts its inputs are there: the losses, the backward and the returned sums must all stay there."""
     cfg = Config()
     alg = cfg.trainer.algorithm
     alg.loss, alg.kl_coef, alg.entropy_coef = loss, kl_coef, entropy_coef
     rank = _shell(torch.device("meta"), cfg)
     seen = []
 
-    def fake_forward(model, batch, with_entropy=False, entropy_grad=True):
+    def fake_forward(batch, with_entropy=False, entropy_grad=True):
         bad = {k: v.device for k, v in batch.items() if k not in LAYOUT_KEYS and v.device != rank.device}
         assert not bad, f"forward got tensors off the rank's device: {bad}"
         seen.append(batch["input_ids"].shape)
@@ -134,7 +134,6 @@ def test_rl_micro_step_keeps_every_loss_tensor_on_the_rank_device_simulated(
         ent = torch.ones(batch["input_ids"].shape, device=rank.device, requires_grad=entropy_grad)
         return logp, ent if with_entropy else None
 
-    rank.backend.logprobs = fake_forward
     samples = _samples()
     mine = list(range(len(samples)))
     fields = {
@@ -146,7 +145,10 @@ def test_rl_micro_step_keeps_every_loss_tensor_on_the_rank_device_simulated(
         fields["prox"] = fields["behav"]
     if kl_coef:
         fields["ref"] = fields["behav"]
-    sums = rank._rl_micro_step(rank._batch(samples, mine, fields), denom=40.0)
+    batch = rank._batch(samples, mine, fields)
+    logp, ent = fake_forward(batch, with_entropy=True, entropy_grad=entropy_coef > 0)
+    loss, sums = rank._rl_loss(batch, logp, ent, denom=40.0)
+    loss.backward()
     assert seen and set(sums) <= set(W.RL_SUMS)
     assert {v.device.type for v in sums.values()} == {"meta"}
 

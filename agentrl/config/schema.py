@@ -311,6 +311,8 @@ class TrainerConfig(Section):
             )
         if m.sequence_parallel and m.tensor_parallel == 1:
             raise ValueError("trainer.megatron.sequence_parallel needs tensor_parallel > 1")
+        if m.context_parallel > 1:  # Megatron's CP attention is Transformer Engine's; agentrl does not drive it yet
+            raise ValueError("trainer.megatron.context_parallel > 1 is not supported yet: use 1")
         return self
 
 

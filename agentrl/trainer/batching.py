@@ -11,7 +11,7 @@ Two layouts:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -127,3 +127,22 @@ def scatter_back(per_token: torch.Tensor, batch: dict[str, torch.Tensor]) -> lis
     for r, a, L in zip(batch["rows"].tolist(), batch["starts"].tolist(), batch["lengths"].tolist(), strict=True):
         out.append(per_token[r, a : a + L].tolist())
     return out
+
+
+class LazyMicroBatches(Sequence):
+    """Micro-batches collated when the backend reads them (one at a time in memory, not the whole pass); each
+    one's host-side layout is kept for `scatter_back`."""
+
+    def __init__(self, collate_one: Callable[[list[int]], dict], mbs: list[list[int]]) -> None:
+        self.collate_one, self.mbs = collate_one, mbs
+        self.layouts: list[dict] = [{} for _ in mbs]
+
+    def __len__(self) -> int:
+        return len(self.mbs)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        batch = self.collate_one(self.mbs[i])
+        self.layouts[i] = {k: batch[k] for k in LAYOUT_KEYS}
+        return batch

@@ -2,8 +2,9 @@
 
 Every rank receives the whole batch (one ray.put by the driver), computes the sequence-level advantages and
 the global loss denominators for all of it (cheap and identical everywhere), then works on its token-balanced
-shard. Each micro-batch's loss is divided by the *global* denominator and multiplied by the world size (FSDP2
-averages gradients over ranks), so 1 rank and N ranks take the same optimizer step up to float rounding.
+shard. Each micro-batch's loss is divided by the *global* denominator (its share of the global loss; the backend
+sums the shares' gradients over micro-batches and ranks), so 1 rank and N ranks take the same optimizer step up to
+float rounding.
 
 Devices and collectives. The default group is "cpu:gloo,<device>:<nccl|hccl>" (`Platform.process_group_backend`).
 Rule: a collective runs where its values already live. Model tensors (FSDP2's all-gathers and reduce-scatters, the
@@ -22,6 +23,7 @@ import shutil
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +35,15 @@ from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
 from agentrl.trainer import losses, weight_sync
 from agentrl.trainer.backends import ModelBackend, TrainOptimizer, create_backend
-from agentrl.trainer.batching import LAYOUT_KEYS, collate, micro_batches, scatter_back, shard_indices, to_device
+from agentrl.trainer.batching import (
+    LAYOUT_KEYS,
+    LazyMicroBatches,
+    collate,
+    micro_batches,
+    scatter_back,
+    shard_indices,
+    to_device,
+)
 from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state, write_safetensors
 from agentrl.trainer.model import uses_flash_attention
 from agentrl.types import Sample
@@ -203,26 +213,24 @@ class TrainerRank:
         _check_device(_compute_tensors(batch), self.device, "collated micro-batch")
         return batch
 
+    def _micro_batches(self, samples: list[Sample], mbs: list[list[int]], fields: dict) -> LazyMicroBatches:
+        return LazyMicroBatches(lambda idx: self._batch(samples, idx, fields), mbs)
+
     @torch.no_grad()
     def _logprob_pass(
         self, model, samples: list[Sample], mbs: list[list[int]], every_token: bool = False
     ) -> dict[int, list[float]]:
-        """Log-probs of the loss-mask tokens (0 elsewhere), or of every token."""
-        out: dict[int, list[float]] = {}
+        """Log-probs of the loss-mask tokens (0 elsewhere), or of every token (values, for the critic)."""
         masks = {} if every_token else {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
-        for idx in mbs:
-            batch = self._batch(samples, idx, masks)
-            logp, _ = self.backend.logprobs(model, batch)
-            out.update(zip(idx, scatter_back(logp, batch), strict=False))
+        batches = self._micro_batches(samples, mbs, masks)
+        outs = self.backend.forward_backward(model, batches, forward_only=True)
+        out: dict[int, list[float]] = {}
+        for idx, layout, per_token in zip(mbs, batches.layouts, outs, strict=True):
+            out.update(zip(idx, scatter_back(per_token, layout), strict=False))
         return out
 
-    @torch.no_grad()
     def _value_pass(self, samples: list[Sample], mbs: list[list[int]]) -> dict[int, list[float]]:
-        out: dict[int, list[float]] = {}
-        for idx in mbs:
-            batch = self._batch(samples, idx, {})
-            out.update(zip(idx, scatter_back(self.backend.values(self.critic, batch), batch), strict=False))
-        return out
+        return self._logprob_pass(self.critic, samples, mbs, every_token=True)
 
     def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
         group = self.backend.dp_group
@@ -361,8 +369,17 @@ class TrainerRank:
                 self.opt.zero_grad()
                 if self.critic is not None:
                     self.critic_opt.zero_grad()
-                for idx in self._plan(rl.samples, part):
-                    sums.add(self._rl_micro_step(self._batch(rl.samples, idx, rl.fields), denom))
+                mbs = self._plan(rl.samples, part)
+                rows = self.backend.forward_backward(
+                    self.model, self._micro_batches(rl.samples, mbs, rl.fields), partial(self._rl_loss, denom=denom),
+                    with_entropy=True, entropy_grad=self.alg.entropy_coef > 0,
+                )  # fmt: skip
+                if self.critic is not None:
+                    batches = self._micro_batches(rl.samples, mbs, rl.fields)
+                    values = self.backend.forward_backward(self.critic, batches, partial(self._value_loss, denom=denom))
+                    rows = [{**r, **v} for r, v in zip(rows, values, strict=True)]
+                for row in rows:
+                    sums.add(row)
                 lrs.append(self.opt.lr)
                 grad_norms.append(self.opt.step())
                 if self.critic is not None:
@@ -399,14 +416,11 @@ class TrainerRank:
             out["train/value_loss"] = m["value_loss"] / n_opt
         return out
 
-    def _rl_micro_step(self, batch: dict, denom: float) -> dict[str, torch.Tensor]:
-        """Forward and backward of one micro-batch (loss scaled for the replicas' gradient average); its named
-        sums."""
-        alg, scale = self.alg, self.backend.dp_size
-        logp, ent = self.backend.logprobs(self.model, batch, with_entropy=True, entropy_grad=alg.entropy_coef > 0)
+    def _rl_loss(self, batch: dict, logp: torch.Tensor, ent: torch.Tensor | None, denom: float):
+        """The policy loss of one micro-batch (its share of the mini-batch's, `denom` global) and its named sums."""
+        alg = self.alg
         mask, seq = batch["loss_mask"], batch["seq_ids"]
-        # episode_mean weights come precomputed per token (they depend on the whole batch's episodes)
-        w = mask * batch["token_weight"] if "token_weight" in batch else losses.token_weights(mask, seq, alg.loss_agg)
+        w = self._weights(batch)
         _check_device([logp, ent, w, *_compute_tensors(batch)], self.device, "loss inputs")
         clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
         if alg.loss == "decoupled_ppo":
@@ -423,14 +437,20 @@ class TrainerRank:
             total = total + alg.kl_coef * losses.aggregate(kl_tok, w, denom)
         if alg.entropy_coef:
             total = total - alg.entropy_coef * losses.aggregate(ent, w, denom)
-        (total * scale).backward()
         sums = {"loss": total, "pg_loss": pg, "kl": (kl_tok * mask).sum(), "entropy": (ent * mask).sum(), **st}
-        if self.critic is not None:
-            v = self.backend.values(self.critic, batch)
-            sums["value_loss"] = losses.value_loss(v, batch["old_values"], batch["returns"], w, denom)
-            (sums["value_loss"] * scale).backward()
         _check_device(sums.values(), self.device, "loss outputs")
-        return {k: v.detach() for k, v in sums.items()}  # on the device: RankSums copies them to the host once
+        return total, sums  # sums stay on the device: RankSums copies them to the host once
+
+    def _weights(self, batch: dict) -> torch.Tensor:
+        """Per-token loss weights; episode_mean's come precomputed (they depend on the whole batch's episodes)."""
+        mask = batch["loss_mask"]
+        if "token_weight" in batch:
+            return mask * batch["token_weight"]
+        return losses.token_weights(mask, batch["seq_ids"], self.alg.loss_agg)
+
+    def _value_loss(self, batch: dict, v: torch.Tensor, _ent, denom: float):
+        loss = losses.value_loss(v, batch["old_values"], batch["returns"], self._weights(batch), denom)
+        return loss, {"value_loss": loss}
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
@@ -444,15 +464,9 @@ class TrainerRank:
         self.model.train()
         self.sft_opt.zero_grad()
         sums = RankSums(SFT_SUMS, self.backend.dp_group)
-        for idx in mbs:
-            batch = self._batch(samples, idx, fields)
-            logp, _ = self.backend.logprobs(self.model, batch)
-            w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
-            _check_device([logp, w, *_compute_tensors(batch)], self.device, "loss inputs")
-            loss = losses.sft_loss(logp, w, denom)
-            (loss * self.backend.dp_size).backward()
-            correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
-            sums.add({"loss": loss.detach(), "correct": correct})
+        batches = self._micro_batches(samples, mbs, fields)
+        for row in self.backend.forward_backward(self.model, batches, partial(_sft_loss, denom=denom)):
+            sums.add(row)
         lr = self.sft_opt.lr
         norm = self.sft_opt.step()
         self.optimizer_steps += 1
@@ -593,8 +607,18 @@ class TrainerRank:
 
     def shutdown(self) -> None:
         self._sync_groups.close()
+        if getattr(self, "backend", None) is not None:
+            self.backend.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
+    w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
+    _check_device([logp, w, *_compute_tensors(batch)], logp.device, "loss inputs")
+    loss = losses.sft_loss(logp, w, denom)
+    correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
+    return loss, {"loss": loss, "correct": correct}
 
 
 def _remove_older_snapshots(current: str) -> None:

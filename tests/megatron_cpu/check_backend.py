@@ -1,7 +1,9 @@
 """Run under torchrun (with tests/megatron_cpu on PYTHONPATH, which installs the CPU shim when Megatron is
-imported): every Megatron backend check at one tensor-parallel size; rank 0 writes the measurements as JSON.
+imported): every Megatron backend check at one tensor / pipeline-parallel layout; rank 0 writes the
+measurements as JSON.
 
     torchrun --nproc-per-node 2 tests/megatron_cpu/check_backend.py --tp 2 --out result.json --work DIR
+    torchrun --nproc-per-node 2 tests/megatron_cpu/check_backend.py --pp 2 --out result.json --work DIR
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ def loss_of(logp: torch.Tensor, ent: torch.Tensor | None, batch: dict) -> torch.
     return loss - 0.01 * (ent * w).sum() / w.sum() if ent is not None else loss
 
 
+def logprobs(backend, model, batch: dict, with_entropy: bool = False):
+    """Log-probs (and entropies) of one micro-batch through the backend's schedule, as a loss function's sums."""
+
+    def keep(b, lp, ent):
+        return lp.sum() * 0.0, {"lp": lp, "ent": ent}
+
+    out = backend.forward_backward(model, [batch], keep, forward_only=True, with_entropy=with_entropy)[0]
+    return out["lp"], out["ent"]
+
+
+def values(backend, critic, batch: dict) -> torch.Tensor:
+    """The critic's values of one micro-batch (the backend's per-token results, no loss function)."""
+    return backend.forward_backward(critic, [batch], forward_only=True)[0]
+
+
+def train(backend, model, batches: list[dict], loss, **kw) -> None:
+    """Forward and backward of `batches` with `loss(out, ent, batch)`; every data-parallel replica sees the same
+    batches, so each one's share of the loss is 1 / dp_size."""
+    backend.forward_backward(model, batches, lambda b, out, ent: (loss(out, ent, b) / backend.dp_size, {}), **kw)
+
+
 def max_diff(a: torch.Tensor, b: torch.Tensor, where: torch.Tensor | None = None) -> float:
     if a.shape != b.shape or a.numel() == 0:
         return float("inf")
@@ -53,6 +76,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor, where: torch.Tensor | None = None
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--out", required=True)
     ap.add_argument("--work", required=True)
     ap.add_argument("--sequence-parallel", action="store_true")
@@ -84,6 +108,7 @@ def main() -> None:
                 "activation_checkpointing": args.recompute,
                 "megatron": {
                     "tensor_parallel": args.tp,
+                    "pipeline_parallel": args.pp,
                     "sequence_parallel": args.sequence_parallel,
                     "distributed_optimizer": not args.no_distributed_optimizer,
                 },
@@ -95,8 +120,11 @@ def main() -> None:
     backend = create_backend("megatron", cfg, path, torch.device("cpu"), platform)
     policy = backend.build("policy")
     ref = backend.build("reference")
-    res: dict = {"tp": args.tp, "world": world, "dp_size": backend.dp_size, "dp_rank": backend.dp_rank}
+    res: dict = {"tp": args.tp, "pp": args.pp, "world": world, "dp_size": backend.dp_size, "dp_rank": backend.dp_rank}
     res["recompute"] = backend.bridge.config.recompute_granularity
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    res["schedule"] = get_forward_backward_func().__name__
     ones = torch.ones(1)
     dist.all_reduce(ones, group=backend.dp_group)  # host bookkeeping group: one rank per replica
     res["dp_group_size"] = int(ones)
@@ -120,7 +148,7 @@ def main() -> None:
     for name, batch in bs.items():
         for tag, model in (("ref", ref), ("policy", policy)):
             with torch.no_grad():
-                lp, ent = backend.logprobs(model, batch, with_entropy=True)
+                lp, ent = logprobs(backend, model, batch, with_entropy=True)
                 hf_batch = bs["packed"] if name == "packed_nomask" else batch  # HF SDPA needs the block mask
                 hlp, hent = forward_logprobs(hf, hf_batch, with_entropy=True)
             # Padding positions of a short row hold garbage in both (HF masks pad keys, Megatron is causal).
@@ -128,17 +156,25 @@ def main() -> None:
             res[f"logprob_diff_{name}_{tag}"] = max_diff(lp, hlp, real)
             res[f"entropy_diff_{name}_{tag}"] = max_diff(ent, hent, real)
     res["logprob_zero_outside_loss"] = bool((lp[:, 0] == 0).all())
+    # Several micro-batches of different shapes in one schedule (pipeline stages exchange each one's shape).
+    names = ["pad", "packed", "pad_full"]
     with torch.no_grad():
-        lp_only, none = backend.logprobs(policy, bs["packed"])
-        lp_ent, _ = backend.logprobs(policy, bs["packed"], with_entropy=True)
+        several = backend.forward_backward(ref, [bs[n] for n in names], forward_only=True)
+        hf_lps = [forward_logprobs(hf, bs[n])[0] for n in names]
+    res["several_microbatches_diff"] = max(
+        max_diff(lp, h, bs[n]["seq_ids"] >= 0) for n, lp, h in zip(names, several, hf_lps, strict=True)
+    )
+    with torch.no_grad():
+        lp_only = backend.forward_backward(policy, [bs["packed"]], forward_only=True)[0]  # no loss function
+        _, none = logprobs(backend, policy, bs["packed"])
+        lp_ent, _ = logprobs(backend, policy, bs["packed"], with_entropy=True)
     res["logprob_without_entropy_equal"] = none is None and torch.equal(lp_only, lp_ent)
 
     # 3. One optimizer step vs torch AdamW on the HF model (same loss, clipping, weight decay on every param).
     batch = bs["pad"]
     opt = backend.optimizer(policy, total_steps=10)
     opt.zero_grad()
-    lp, ent = backend.logprobs(policy, batch, with_entropy=True)
-    loss_of(lp, ent, batch).backward()
+    train(backend, policy, [batch], loss_of, with_entropy=True)
     gn = opt.step()
     hopt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=WD, eps=EPS, foreach=False)
     hlp, hent = forward_logprobs(hf, batch, with_entropy=True)
@@ -156,9 +192,9 @@ def main() -> None:
     hcritic = load_value_model(path, torch.float32, torch.device("cpu"))
     g = torch.Generator().manual_seed(3)
     w0, b0 = torch.randn(1, hcritic.value_head.in_features, generator=g) * 0.1, torch.randn(1, generator=g)
-    head = _unwrap(critic).output_layer
+    head = getattr(_unwrap(critic), "output_layer", None)  # the last pipeline stage's
     with torch.no_grad():
-        for mod in (head, hcritic.value_head):
+        for mod in (head, hcritic.value_head) if head is not None else (hcritic.value_head,):
             mod.weight.copy_(w0)
             mod.bias.copy_(b0)
     copt = backend.optimizer(critic, total_steps=10)
@@ -169,22 +205,25 @@ def main() -> None:
 
     for name in ("pad", "packed"):
         with torch.no_grad():
-            v, hv = backend.values(critic, bs[name]), forward_values(hcritic, bs[name])
+            v, hv = values(backend, critic, bs[name]), forward_values(hcritic, bs[name])
         res[f"value_diff_{name}"] = max_diff(v, hv, bs[name]["seq_ids"] >= 0)
     copt.zero_grad()
-    value_loss(backend.values(critic, batch), batch).backward()
+    train(backend, critic, [batch], lambda v, _, b: value_loss(v, b))
     cgn = copt.step()
     hcopt = torch.optim.AdamW(hcritic.parameters(), lr=LR, weight_decay=WD, eps=EPS, foreach=False)
     value_loss(forward_values(hcritic, batch), batch).backward()
     hcgn = float(torch.nn.utils.clip_grad_norm_(hcritic.parameters(), CLIP))
     hcopt.step()
     res["critic_grad_norm"] = [cgn, hcgn]
-    res["critic_head_diff"] = max(
-        max_diff(head.weight, hcritic.value_head.weight), max_diff(head.bias, hcritic.value_head.bias)
-    )
+    head_diff = torch.zeros(1)
+    if head is not None:
+        w_diff = max_diff(head.weight, hcritic.value_head.weight)
+        head_diff[0] = max(w_diff, max_diff(head.bias, hcritic.value_head.bias))
+    dist.all_reduce(head_diff, op=dist.ReduceOp.MAX)  # to rank 0 from the last stage
+    res["critic_head_diff"] = float(head_diff)
     with torch.no_grad():
         res["critic_value_diff_after_step"] = max_diff(
-            backend.values(critic, bs["packed"]), forward_values(hcritic, bs["packed"]), bs["packed"]["seq_ids"] >= 0
+            values(backend, critic, bs["packed"]), forward_values(hcritic, bs["packed"]), bs["packed"]["seq_ids"] >= 0
         )
 
     # 4. Checkpoint after step 1, then step 2; a fresh build loads it and repeats step 2.
@@ -192,15 +231,15 @@ def main() -> None:
     extra = {"rank": rank, "counter": 7}
     backend.save_checkpoint(ckpt, {"policy": policy, "critic": critic}, {"optim": opt, "critic_optim": copt}, extra)
     with torch.no_grad():
-        values_saved = backend.values(critic, bs["pad"])
+        values_saved = values(backend, critic, bs["pad"])
 
-    def step2(model, o):  # log-probs only (Megatron's in-place cross entropy on the logits), entropy as a metric
-        o.zero_grad()
-        lp, ent = backend.logprobs(model, bs["packed"], with_entropy=True, entropy_grad=False)
+    def loss2(lp, ent, b):  # log-probs only (Megatron's in-place cross entropy on the logits), entropy a metric
         assert not ent.requires_grad
-        loss_of(lp, None, bs["packed"]).backward()
-        lp2, _ = backend.logprobs(model, bs["pad"])
-        loss_of(lp2, None, bs["pad"]).backward()  # two micro-batches accumulate into one step
+        return loss_of(lp, None, b)
+
+    def step2(model, o):  # two micro-batches accumulate into one step
+        o.zero_grad()
+        train(backend, model, [bs["packed"], bs["pad"]], loss2, with_entropy=True, entropy_grad=False)
         return o.step()
 
     gn2 = step2(policy, opt)
@@ -209,7 +248,7 @@ def main() -> None:
     opt2, copt2 = backend.optimizer(policy2, total_steps=10), backend.optimizer(critic2, total_steps=10)
     got = backend.load_checkpoint(ckpt, {"policy": policy2, "critic": critic2}, {"optim": opt2, "critic_optim": copt2})
     with torch.no_grad():
-        res["ckpt_critic_value_diff"] = max_diff(backend.values(critic2, bs["pad"]), values_saved)
+        res["ckpt_critic_value_diff"] = max_diff(values(backend, critic2, bs["pad"]), values_saved)
     res["ckpt_critic_steps"] = copt2.steps
     loaded = {n: t.clone() for n, t in backend.full_weights(policy2, tied)}
     res["ckpt_extra_ok"] = got == extra

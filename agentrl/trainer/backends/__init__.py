@@ -2,7 +2,8 @@
 
 `agentrl.trainer.worker.TrainerRank` holds the algorithm (advantages, losses, mini-batches, metrics) once; a
 backend owns everything that depends on how the model is split over ranks: building the policy, reference and
-critic, the per-token forward pass, optimizer steps, full weights for export and sync, and checkpoints.
+critic, forward and backward over a step's micro-batches (the worker's loss function inside the backend's
+schedule), optimizer steps, full weights for export and sync, and checkpoints.
 
 - `fsdp2`: every rank holds a shard of every parameter (data parallel over all ranks).
 - `megatron`: Megatron-Core tensor / pipeline / context / expert parallelism; the data-parallel replicas are the
@@ -12,13 +13,18 @@ critic, the per-token forward pass, optimizer steps, full weights for export and
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
 Role = Literal["policy", "reference", "critic"]
+Batch = dict[str, torch.Tensor]
+# loss_fn(batch, out, ent) -> (loss, sums): `out` the per-token log-probs (policy, reference) or values (critic),
+# `ent` the entropies (None unless asked for); `loss` this micro-batch's share of the global loss (the shares
+# over micro-batches and data-parallel replicas add up to it), `sums` named per-micro-batch statistics.
+LossFn = Callable[[Batch, torch.Tensor, "torch.Tensor | None"], tuple[torch.Tensor, dict[str, Any]]]
 
 
 class TrainOptimizer(ABC):
@@ -50,10 +56,10 @@ class ModelBackend(ABC):
     """Per-rank handle on the parallel library. Created after the default process group exists.
 
     Data parallelism: the batch is split over `dp_size` replicas; this rank trains on shard `dp_rank`, and every
-    rank of one replica (its tensor / pipeline peers) sees the same micro-batches. Losses are scaled by `dp_size`
-    because both libraries average gradients over the replicas. Host bookkeeping (loss sums, denominators) is
-    reduced over `dp_group`: the gloo group of the ranks at this rank's model-parallel position, one per replica
-    (None: the default group, when every rank is a replica of its own).
+    rank of one replica (its tensor / pipeline peers) sees the same micro-batches. A micro-batch's loss is its
+    share of the global loss; `forward_backward` makes the gradients the sum of the shares. Host bookkeeping
+    (loss sums, denominators) is reduced over `dp_group`: the gloo group of the ranks at this rank's model-parallel
+    position, one per replica (None: the default group, when every rank is a replica of its own).
     """
 
     dp_rank: int = 0
@@ -70,15 +76,23 @@ class ModelBackend(ABC):
         """AdamW over `model` with `trainer.optim`'s schedule (`lr` overrides the peak)."""
 
     @abstractmethod
-    def logprobs(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False, entropy_grad: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token log-probs (and entropies) aligned with batch['input_ids'] as in
-        `agentrl.trainer.model.forward_logprobs`; full [rows, T] tensors on every rank of the replica."""
+    def forward_backward(
+        self,
+        model: nn.Module,
+        batches: Sequence[Batch],
+        loss_fn: LossFn | None = None,
+        forward_only: bool = False,
+        with_entropy: bool = False,
+        entropy_grad: bool = True,
+    ) -> list[Any]:
+        """Forward (and, unless `forward_only`, backward) of every micro-batch in `batches`, gradients summed
+        over micro-batches and replicas. The backend drives the micro-batches because a pipeline-parallel
+        schedule interleaves them across stages and computes the loss on the last stage only.
 
-    @abstractmethod
-    def values(self, critic: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """V(state before token t) at position t, aligned like the log-probs."""
+        Per micro-batch, on every rank of the replica: with `loss_fn`, its `sums` (detached); without, the
+        per-token output [rows, T] aligned with batch['input_ids'] as in `agentrl.trainer.model.forward_logprobs`
+        / `forward_values` (log-probs 0 outside the loss positions). `batches` may collate lazily: each item is
+        read once per pass, in order."""
 
     @abstractmethod
     def weight_metas(self, model: nn.Module, tied: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -96,6 +110,10 @@ class ModelBackend(ABC):
     ) -> None:
         """Collective: models ('policy', 'critic') and named optimizers ('optim', 'sft_optim', 'critic_optim';
         each knows its `model`) with their schedules under `ckpt_dir`, plus this rank's `extra` (RNG, counters)."""
+
+    def close(self) -> None:
+        """Free what the backend set up beside the default process group (before it is destroyed)."""
+        return None
 
     @abstractmethod
     def load_checkpoint(

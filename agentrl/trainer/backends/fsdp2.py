@@ -8,6 +8,7 @@ into the shards), forward passes from `agentrl.trainer.model`, checkpoints are t
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
-from agentrl.trainer.model import forward_logprobs, forward_values
+from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.sharding import build_sharded
 
@@ -69,11 +70,23 @@ class FSDP2Backend(ModelBackend):
     def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> FSDP2Optimizer:
         return FSDP2Optimizer(model, self.tc.optim, total_steps, lr)
 
-    def logprobs(self, model, batch, with_entropy=False, entropy_grad=True):
-        return forward_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-    def values(self, critic, batch):
-        return forward_values(critic, batch)
+    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
+        """One micro-batch after another; the loss times `dp_size` because FSDP2 averages gradients over ranks."""
+        results: list = []
+        with torch.no_grad() if forward_only else nullcontext():
+            for batch in batches:
+                if isinstance(model, ValueModel):
+                    out, ent = forward_values(model, batch), None
+                else:
+                    out, ent = forward_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                if loss_fn is None:
+                    results.append(out)
+                    continue
+                loss, sums = loss_fn(batch, out, ent)
+                if not forward_only:
+                    (loss * self.dp_size).backward()
+                results.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in sums.items()})
+        return results
 
     def weight_metas(self, model, tied):
         return [(k, tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)]

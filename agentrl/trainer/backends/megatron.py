@@ -5,17 +5,21 @@ accelerators, Megatron's local layers without TE (CPU). The policy is wrapped in
 `DistributedDataParallel` (contiguous grad buffers, distributed optimizer per config) and stepped by
 `get_megatron_optimizer`; log-probs and entropies come from the TP-split logits without gathering the vocabulary.
 
-Not supported yet (clear errors): pipeline parallelism (the interface hands log-probs back to the caller's
-loss; Megatron's pipeline schedules need the loss inside the schedule), context parallelism.
+Micro-batches run through Megatron's schedules (`megatron_schedule.py`): 1F1B across pipeline stages, the
+worker's loss on the last stage. Not supported yet (clear errors): context parallelism; interleaved (virtual)
+pipeline stages are not configurable.
 On a CPU-only torch build Megatron-Core also needs its hard-coded CUDA calls mapped to the CPU, which only the
 test shim (tests/megatron_cpu) does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from collections.abc import Iterator
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -25,15 +29,16 @@ from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
 from agentrl.trainer.backends.megatron_bridge import (
     add_value_head,
     block_mask,
-    cpu_config_overrides,
     hf_metas,
     is_packed,
+    local_layer_overrides,
     make_bridge,
     output_positions,
     rope_positions,
     thd_params,
     vocab_parallel_logprobs,
 )
+from agentrl.trainer.backends.megatron_schedule import run_schedule
 from agentrl.trainer.model import loss_positions
 from agentrl.trainer.optim import lr_factor
 from agentrl.trainer.sharding import resolve_checkpointing, resolve_dtype
@@ -94,8 +99,6 @@ class MegatronBackend(ModelBackend):
 
         self.cfg, self.model_path, self.device, self.platform = cfg, model_path, device, platform
         mc = cfg.trainer.megatron
-        if mc.pipeline_parallel > 1:
-            raise NotImplementedError("megatron backend: pipeline_parallel > 1 is not supported yet")
         if mc.context_parallel > 1:
             raise NotImplementedError("megatron backend: context_parallel > 1 is not supported yet")
         if not mpu.model_parallel_is_initialized():
@@ -114,19 +117,27 @@ class MegatronBackend(ModelBackend):
         self.dp_group = mpu.get_data_parallel_group_gloo() if mc.model_parallel > 1 else None
         self.dtype = resolve_dtype(cfg.trainer, platform)
         self.sequence_parallel = mc.sequence_parallel and self.tp_size > 1
-        use_te = platform.kind == "cuda"  # Transformer Engine is CUDA-only; local layers elsewhere
+        # Transformer Engine layers where TE is installed (CUDA only); Megatron's local layers elsewhere, e.g. a GPU
+        # image without TE (slower: no fused attention or kernels, but the same model and numbers)
+        use_te = platform.kind == "cuda" and importlib.util.find_spec("transformer_engine") is not None
         if self.sequence_parallel and not use_te:
             raise NotImplementedError(
                 "megatron backend: sequence_parallel needs Transformer Engine layers (CUDA); Megatron's local "
                 "layer norms do not support it"
             )
-        extra = {} if use_te else cpu_config_overrides()
+        extra = {} if use_te else local_layer_overrides()
         # perform_initialization stays on: without it megatron-core never marks weights tensor-parallel.
-        extra.update(sequence_parallel=self.sequence_parallel)
+        # calculate_per_token_loss: no division by the micro-batch count, DDP sums over replicas (each micro-batch's
+        # loss is already its share of the global loss).
+        extra.update(sequence_parallel=self.sequence_parallel, calculate_per_token_loss=True)
         if resolve_checkpointing(cfg.trainer, platform):
             extra.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
         self.bridge = make_bridge(model_path, self.dtype, use_te=use_te, **extra)
         self._metas: list | None = None
+
+    def close(self) -> None:
+        """Megatron's parallel state is module-global: a later backend in this process starts from scratch."""
+        self.mpu.destroy_model_parallel()
 
     # ------------------------------------------------------------------------------------------ models
 
@@ -145,6 +156,7 @@ class MegatronBackend(ModelBackend):
         self.bridge.load_weights([gpt], self.model_path)
         if role == "critic":
             add_value_head(gpt, self.bridge.config)
+            gpt.agentrl_critic = True
         elif self._metas is None:
             self._metas = self._gather_metas(gpt)
         model: nn.Module = gpt
@@ -173,39 +185,53 @@ class MegatronBackend(ModelBackend):
         dist.all_gather_object(parts, local, group=self.mpu.get_pipeline_model_parallel_group())
         return [m for part in parts for m in part]
 
-    def values(self, critic: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        v = self._forward(critic, batch)[..., 0]  # [rows, T]: V after token t, the value head at t
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # as model._shift_align
-
     # ------------------------------------------------------------------------------------------ forward
 
-    def logprobs(
-        self, model: nn.Module, batch: dict[str, torch.Tensor], with_entropy: bool = False, entropy_grad: bool = True
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
+        step = partial(
+            self._step, critic=getattr(_unwrap(model), "agentrl_critic", False), with_entropy=with_entropy,
+            entropy_grad=entropy_grad,
+        )  # fmt: skip
+        with torch.no_grad() if forward_only else nullcontext():
+            return run_schedule(step, model, batches, loss_fn, forward_only, self.device)
+
+    def _step(self, model, batch, critic: bool, with_entropy: bool, entropy_grad: bool):
+        """One micro-batch's forward on this stage: its output, and the function the last stage turns that output
+        into per-token log-probs and entropies (TP-split logits, no vocabulary gather) or values with."""
         ids = batch["input_ids"]
-        targets = loss_positions(batch)
-        if targets is None:
-            targets = torch.arange(1, ids.shape[1], device=ids.device)
-        if self.sequence_parallel:  # the output layer sees a sequence shard: all positions, then select
-            z = self._forward(model, batch)[:, targets - 1].float()
-        else:  # the LM head only where a logit is needed
-            z = self._forward(model, batch, targets - 1).float()  # [rows, len(targets), vocab / tp]
-        logp, ent = vocab_parallel_logprobs(z, ids[:, targets], with_entropy, entropy_grad)
-        zeros = logp.new_zeros(ids.shape)
-        ent = zeros.index_copy(1, targets, ent) if ent is not None else None
-        return zeros.index_copy(1, targets, logp), ent
+        T = ids.shape[1]
+        targets = None if critic else loss_positions(batch)
+        if targets is None and not critic:
+            targets = torch.arange(1, T, device=ids.device)
+        # the LM head only where a logit is needed (sequence parallel: the output layer sees a sequence shard)
+        positions = None if critic or self.sequence_parallel else targets - 1
+        out = self._forward(model, batch, positions)
+
+        def post(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if critic:  # V after token t is the value head at t; aligned as model._shift_align
+                v = out[:, :T, 0].float()
+                return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1), None
+            z = (out if positions is not None else out[:, :T][:, targets - 1]).float()
+            logp, ent = vocab_parallel_logprobs(z, ids[:, targets], with_entropy, entropy_grad)
+            zeros = logp.new_zeros(ids.shape)
+            ent = zeros.index_copy(1, targets, ent) if ent is not None else None
+            return zeros.index_copy(1, targets, logp), ent
+
+        return out, post
 
     def _forward(
         self, model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The model's output layer [rows, T, out] (TP-split logits, or the critic's value) for a pad or packed
-        micro-batch; with `positions`, [rows, len(positions), out] computed at those positions only."""
+        """This stage's output for a pad or packed micro-batch: on the last stage the output layer [rows, T', out]
+        (TP-split logits, or the critic's value; T' >= T under sequence parallelism), with `positions` [rows,
+        len(positions), out] computed at those positions only; elsewhere the hidden states for the next stage."""
         ids, pos = batch["input_ids"], batch["position_ids"]
         T = ids.shape[1]
         pad = (-T) % self.tp_size if self.sequence_parallel else 0  # sequence parallel splits T over TP
         if pad:
             ids, pos = nn.functional.pad(ids, (0, pad)), nn.functional.pad(pos, (0, pad))
-        with output_positions(_unwrap(model), positions):
+        last = self.mpu.is_pipeline_last_stage()
+        with output_positions(_unwrap(model), positions if last else None):
             if not is_packed(batch):  # right-padded rows: causal attention is exact for every real token
                 out = model(input_ids=ids, position_ids=pos, attention_mask=None)
             elif self.bridge.use_te:  # TE: variable-length (THD) attention, RoPE restarted per sequence
@@ -216,7 +242,7 @@ class MegatronBackend(ModelBackend):
                     attn = nn.functional.pad(attn, (0, pad, 0, pad), value=True)
                 with rope_positions(_unwrap(model), pos):
                     out = model(input_ids=ids, position_ids=pos, attention_mask=attn)
-        return out if positions is not None else out[:, :T]
+        return out
 
     # ------------------------------------------------------------------------------------------ optimizer
 

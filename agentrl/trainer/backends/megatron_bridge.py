@@ -75,7 +75,7 @@ def make_bridge(hf_path: str, dtype: torch.dtype, use_te: bool, parallel_states:
     return bridge
 
 
-def cpu_config_overrides() -> dict:
+def local_layer_overrides() -> dict:
     """TransformerConfig fields that keep Megatron-Core off its CUDA-only kernels (no TE, no Apex)."""
     return {
         "use_cpu_initialization": True,
@@ -189,13 +189,17 @@ def add_value_head(gpt: nn.Module, config) -> None:
     identical on every rank) in place of the LM head; replicated over TP, gathered over sequence parallelism."""
     from mbridge.utils.layer import LinearForLastLayer
 
+    # The embedding is no longer an output weight: no stage may all-reduce it as one (the first stage too, or
+    # finalize_model_grads waits there for the last stage's all-reduce).
+    gpt.share_embeddings_and_output_weights = False
+    if not gpt.post_process:  # an earlier pipeline stage: no output layer here
+        return
     head = LinearForLastLayer(config.hidden_size, 1, config=config, bias=True).to(
         device=gpt.decoder.final_layernorm.weight.device, dtype=config.params_dtype
     )
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
     gpt.output_layer = head
-    gpt.share_embeddings_and_output_weights = False  # the embedding is no longer an output weight
 
 
 def is_packed(batch: dict[str, torch.Tensor]) -> bool:
