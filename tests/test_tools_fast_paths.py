@@ -230,7 +230,7 @@ async def test_client_resends_on_connections_closed_while_idle_and_retries_dropp
     async with idle_closes as url, ToolClient(url, retries=0) as c:
         assert (await c.call("t", {})).ok
         idle_closes.drop_idle()  # the server closes idle keep-alive connections (uvicorn does after 5 s)
-        await asyncio.sleep(0.05)
+        await _until(lambda: _idle_connections_closed(c), "the client to see the close")
         assert (await c.call("t", {})).ok  # no retries allowed: the closed connection was dropped, not used
         assert idle_closes.connections == 2
 
@@ -251,6 +251,19 @@ async def _async(value):
     return value
 
 
+async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Wait for `condition()` (a loaded machine may take long), not for a fixed time."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
+def _idle_connections_closed(client: ToolClient) -> bool:
+    """The client's pooled keep-alive connections have all seen the server's close."""
+    return all(not proto.is_connected() for conns in client._session.connector._conns.values() for proto, _ in conns)
+
+
 async def test_client_timeouts_errors_and_pool_limit():
     async def slow(i: int, conn: int, request: bytes) -> bytes | None:
         await asyncio.sleep(0.1 if b'"n":1' in request else 2.0)
@@ -266,11 +279,11 @@ async def test_client_timeouts_errors_and_pool_limit():
     server = Scripted(slow)
     async with server as url, ToolClient(url, max_connections=1, retries=0) as c:
         first = asyncio.create_task(c.call("t", {"n": 1}))
-        await asyncio.sleep(0.02)
+        await _until(lambda: server.requests == 1, "the first call to hold the connection")
         r = await c.call("t", {"n": 1}, timeout_s=0.03)  # the one connection is busy for 0.1 s
         assert not r.ok and "timed out" in r.error
         waiting = asyncio.create_task(c.call("t", {"n": 1}))
-        await asyncio.sleep(0.01)
+        await _until(lambda: any(c._session.connector._waiters.values()), "the call to queue for the connection")
         waiting.cancel()  # a request cancelled while queued gives up its place, and no slot leaks
         assert (await first).ok
         assert all(r.ok for r in await asyncio.gather(*(c.call("t", {"n": 1}) for _ in range(3))))
