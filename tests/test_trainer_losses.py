@@ -159,6 +159,9 @@ def test_shard_and_micro_batches() -> None:
     assert all(sum(lengths[i] for i in mb) <= 120 or len(mb) == 1 for mb in mbs)
     pad = micro_batches(range(6), lengths, budget=120, layout="pad")
     assert all(len(mb) * max(lengths[i] for i in mb) <= 120 or len(mb) == 1 for mb in pad)
+    # Equal lengths, prompts A B A B A B: each micro-batch of 3 holds one prompt only (run once by the trainer).
+    same = micro_batches(range(6), [10] * 6, budget=30, layout="pad", prompts=[7, 9] * 3)
+    assert same == [[0, 2, 4], [1, 3, 5]]
 
 
 def test_collate_layouts() -> None:
@@ -228,15 +231,34 @@ def test_logprobs_at_loss_positions_equal_the_full_pass(tiny_model_path, layout)
     assert torch.allclose(g_part, model.model.embed_tokens.weight.grad, atol=1e-5)
 
 
-@pytest.mark.parametrize("fsdp", [False, True])
-def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny_model_path, fsdp) -> None:
-    """Rows that start with the same 24 tokens (a system prompt): the prefix runs once and its KV cache feeds
-    every row. Log-probs and every parameter's gradient must equal the plain pass (also under FSDP2)."""
+def _prompt_rows(repeats: bool) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows that all start with the same 24 tokens (a system prompt); with `repeats`, several rows also carry the
+    same whole prompt (contexts of two lengths) with answers of different lengths, one of them trained on two
+    separate spans (a multi-turn sample)."""
+    prefix = [9 + j % 50 for j in range(24)]
+    if not repeats:
+        toks = [prefix + [60 + (5 * i + j) % 150 for j in range(n)] for i, n in enumerate([12, 7, 10, 7])]
+        return toks, [[0] * (len(t) - 3) + [1] * 3 for t in toks]
+    a, b, c = [prefix + [70 + (3 * k + j) % 90 for j in range(n)] for k, n in enumerate([14, 6, 9])]
+    answers = [[200, 201, 2], [202, 2], [203, 204, 205, 206, 2], [200, 201, 2], [207, 2]]
+    contexts = [a, a, a, b, b]
+    toks = [ctx + ans for ctx, ans in zip(contexts, answers, strict=True)] + [[*c, 210, 211, 2, 212, 213, 214, 2]]
+    masks = [[0] * len(ctx) + [1] * len(ans) for ctx, ans in zip(contexts, answers, strict=True)]
+    masks.append([0] * len(c) + [1, 1, 1, 0, 0, 1, 1])
+    return toks, masks
+
+
+@pytest.mark.parametrize(("fsdp", "repeats"), [(False, False), (True, False), (False, True), (True, True)])
+def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repeats) -> None:
+    """The system prompt every row starts with runs once, and so does each prompt several rows repeat; their KV
+    cache feeds the rows. Log-probs, entropies and every parameter's gradient must equal the plain pass (also
+    under FSDP2), and every position outside the loss mask holds 0."""
     import os
 
     import torch.distributed as dist
 
     from agentrl.trainer import model as M
+    from agentrl.trainer import prompt_sharing as PS
 
     torch.manual_seed(0)
     model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
@@ -246,27 +268,31 @@ def test_shared_prompt_prefix_runs_once_and_changes_nothing(tiny_model_path, fsd
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=0, world_size=1)
         model = M.apply_fsdp2(model)
-    prefix = [9 + j % 50 for j in range(24)]
-    toks = [prefix + [60 + (5 * i + j) % 150 for j in range(n)] for i, n in enumerate([12, 7, 10, 7])]
-    masks = [[0] * (len(t) - 3) + [1] * 3 for t in toks]
+    toks, masks = _prompt_rows(repeats)
     batch = collate(toks, {"loss_mask": masks}, "pad", 0)
-    assert M.shared_prefix_len(batch, int(M.loss_positions(batch)[0]) - 1) == 24
+    plan = PS.plan_sharing(batch)
+    assert plan is not None and plan.prefix == 24
+    assert plan.contexts.shape[0] == (3 if repeats else 1)  # distinct prompts
 
-    def grads(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        old = M.MIN_SHARED_PREFIX
-        M.MIN_SHARED_PREFIX = 16 if share else 10_000
+    def grads(share: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        old = PS.MIN_SHARED_TOKENS
+        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
         try:
-            lp, _ = M.forward_logprobs(model, batch)
+            lp, ent = M.forward_logprobs(model, batch, with_entropy=True)
             (lp * batch["loss_mask"]).sum().backward()
         finally:
-            M.MIN_SHARED_PREFIX = old
+            PS.MIN_SHARED_TOKENS = old
         out = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        return lp.detach(), out
+        return lp.detach(), ent.detach(), out
 
-    lp_plain, g_plain = grads(share=False)
-    lp_shared, g_shared = grads(share=True)
+    lp_plain, ent_plain, g_plain = grads(share=False)
+    lp_shared, ent_shared, g_shared = grads(share=True)
+    assert bool((lp_plain[batch["loss_mask"] > 0] < 0).all())
+    outside = batch["loss_mask"] == 0
+    assert bool((lp_shared[outside] == 0).all()) and bool((ent_shared[outside] == 0).all())
     assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+    assert torch.allclose(ent_plain, ent_shared, atol=1e-5)
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_shared, strict=True))
     if fsdp:
         dist.destroy_process_group()

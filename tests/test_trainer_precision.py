@@ -22,6 +22,7 @@ from agentrl.trainer import losses as L
 from agentrl.trainer import model as M
 from agentrl.trainer import sharding as S
 from agentrl.trainer.batching import collate
+from agentrl.trainer.prompt_sharing import plan_sharing
 
 CPU_DEV = torch.device("cpu")
 
@@ -130,7 +131,8 @@ def test_activation_checkpointing_gives_the_same_gradients(pg, tiny_model_path, 
     through the KV cache (the replay must not append to the cache a second time)."""
     b = _batch(prefix)
     if prefix:
-        assert M.shared_prefix_len(b, int(M.loss_positions(b)[0]) - 1) == prefix
+        plan = plan_sharing(b)
+        assert plan is not None and plan.prefix == prefix
     plain = S.build_sharded(tiny_model_path, CPU_DEV, TrainerConfig(activation_checkpointing=False), CPU, "policy")
     ckpt = S.build_sharded(tiny_model_path, CPU_DEV, TrainerConfig(activation_checkpointing=True), CPU, "policy")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper

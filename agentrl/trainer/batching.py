@@ -27,12 +27,16 @@ def shard_indices(lengths: Sequence[int], world_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def micro_batches(indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str) -> list[list[int]]:
+def micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str, prompts: Sequence[int] | None = None
+) -> list[list[int]]:
     """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
 
+    Samples are taken by length (least padding); among equal lengths, samples with the same `prompts` key sit
+    together, so that a micro-batch holds a repeated prompt as often as it can (the trainer runs it once).
     A sample longer than the budget gets a micro-batch of its own.
     """
-    order = sorted(indices, key=lambda i: (lengths[i], i))
+    order = sorted(indices, key=lambda i: (lengths[i], prompts[i] if prompts else 0, i))
     out: list[list[int]] = []
     cur: list[int] = []
     cost = 0

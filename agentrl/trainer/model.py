@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from agentrl.trainer.losses import token_logprobs
+from agentrl.trainer.prompt_sharing import plan_sharing, shared_logits
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -88,20 +89,6 @@ def loss_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     return cols if cols.numel() else torch.ones(1, dtype=torch.long, device=mask.device)
 
 
-MIN_SHARED_PREFIX = 16  # below this the second model call costs more than the prefix it saves
-
-
-def shared_prefix_len(batch: dict[str, torch.Tensor], first_logit: int) -> int:
-    """Tokens every row of a padded micro-batch starts with (the system prompt of step-wise samples), capped so
-    that no needed logit falls inside the prefix; 0 when sharing would not pay or the layout has no rows."""
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    if ids.shape[0] < 2 or mask.dim() != 2:
-        return 0
-    n = int((ids == ids[:1]).all(dim=0).long().cumprod(dim=0).sum())
-    n = min(n, int(mask.sum(dim=1).min()), first_logit)
-    return n if n >= MIN_SHARED_PREFIX else 0
-
-
 def _accepts(model: nn.Module, arg: str) -> bool:
     return arg in _forward_params(type(model))
 
@@ -133,34 +120,20 @@ def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
 def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
     """Logits [rows, len(positions), vocab] at `positions` (sorted) of each row.
 
-    Two savings, both exact: the LM head runs only at `positions` (HF's `logits_to_keep`), and a prefix all rows
-    share runs once, its KV cache broadcast to the rows (step-wise samples repeat a ~60-token system prompt in
-    every row: measured 2.2x on the tiny model's step). Gradients reach the prefix through the cache.
+    Two savings, both exact: the LM head runs only at `positions` (HF's `logits_to_keep`), and prompts rows
+    repeat run once (`prompt_sharing`). Rows get zeros at positions before their first loss token there.
     """
     ids, mask, pos = batch["input_ids"], model_mask(model, batch["attention_mask"]), batch["position_ids"]
     if not _accepts(model, "logits_to_keep"):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return out.logits[:, positions]
-    # Under activation checkpointing the backward replay would append the prefix's KV to the cache again.
+    # Under activation checkpointing the backward replay would append the shared tokens' KV to the cache again.
     recomputes = torch.is_grad_enabled() and getattr(model, "recomputes_layers", False)
-    n = shared_prefix_len(batch, int(positions[0])) if _accepts(model, "past_key_values") and not recomputes else 0
-    if n == 0:
+    plan = plan_sharing(batch) if _accepts(model, "past_key_values") and not recomputes else None
+    if plan is None:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=positions)
         return out.logits
-    head = model(input_ids=ids[:1, :n], position_ids=pos[:1, :n], use_cache=True, logits_to_keep=1)
-    cache = head.past_key_values
-    cache.batch_repeat_interleave(ids.shape[0])
-    out = model(
-        input_ids=ids[:, n:],
-        attention_mask=mask,
-        position_ids=pos[:, n:],
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=positions - n,
-    )
-    # The zero term puts the prefix call's output into the graph: FSDP2 unshards a layer for backward from a hook
-    # on its output, and the prefix's layers would otherwise be reached only through their KV (freed storage).
-    return out.logits + 0.0 * head.logits.sum()
+    return shared_logits(model, batch, positions, plan)
 
 
 def forward_logprobs(
@@ -172,8 +145,7 @@ def forward_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens.
 
-    With a `loss_mask` in the batch only the columns some row trains on are computed (the others hold 0);
-    without, all of them.
+    With a `loss_mask` in the batch only its tokens are computed (every other position holds 0); without, all.
     """
     ids = batch["input_ids"]
     targets = loss_positions(batch)
@@ -181,6 +153,10 @@ def forward_logprobs(
         targets = torch.arange(1, ids.shape[1], device=ids.device)
     logits = causal_logits(model, batch, targets - 1)
     logp, ent = token_logprobs(logits, ids[:, targets], temperature, with_entropy, entropy_grad)
+    if "loss_mask" in batch:  # a column some row trains on holds other rows' non-loss tokens
+        keep = batch["loss_mask"][:, targets] > 0
+        logp = torch.where(keep, logp, logp.new_zeros(()))
+        ent = torch.where(keep, ent, ent.new_zeros(())) if ent is not None else None
     zeros = logp.new_zeros(ids.shape)
     ent = zeros.index_copy(1, targets, ent) if ent is not None else None
     return zeros.index_copy(1, targets, logp), ent

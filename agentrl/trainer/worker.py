@@ -196,7 +196,7 @@ class TrainerRank:
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
             mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
-        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing)
+        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, _prompt_keys(samples))
         n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
 
@@ -287,14 +287,21 @@ class TrainerRank:
             local = float(sum(1 for c in counts if c))
         return float(_host_all_reduce(torch.tensor([local], dtype=torch.float64), group=self.backend.dp_group))
 
-    def _mini_batches(self, mine: list[int], batch_size: int) -> list[list[int]]:
-        """This rank's samples split into `mini_batches` parts (as many on every rank), shuffled anew each step
-        (seeded by the policy version, so a resumed run shuffles as the uninterrupted one would)."""
-        k = max(1, min(self.alg.mini_batches, batch_size))
-        order = list(mine)
+    def _mini_batches(self, samples: list[Sample], mine: list[int]) -> list[list[int]]:
+        """This rank's samples split into `mini_batches` parts (as many on every rank), whole groups to a part:
+        a group's episodes share their prompts (the same task, often the same states), which the trainer then
+        runs once. Groups are shuffled anew each step (seeded by the policy version, so a resumed run shuffles
+        as the uninterrupted one would) and dealt to the part holding the fewest samples so far."""
+        groups: dict[str, list[int]] = {}
+        for i in mine:
+            groups.setdefault(samples[i].group_id, []).append(i)
+        k = max(1, min(self.alg.mini_batches, len({s.group_id for s in samples})))  # the same on every rank
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.backend.dp_rank)
-        order = [order[i] for i in torch.randperm(len(order), generator=g).tolist()]
-        return [sorted(order[j::k]) for j in range(k)]
+        members = list(groups.values())
+        parts: list[list[int]] = [[] for _ in range(k)]
+        for j in torch.randperm(len(members), generator=g).tolist():
+            min(parts, key=len).extend(members[j])
+        return [sorted(p) for p in parts]
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
@@ -364,7 +371,7 @@ class TrainerRank:
         grad_norms, lrs = [], []
         self.model.train()
         for _ in range(self.alg.ppo_epochs):
-            for part in self._mini_batches(rl.mine, len(rl.samples)):
+            for part in self._mini_batches(rl.samples, rl.mine):
                 denom = self._denom(rl, part)
                 self.opt.zero_grad()
                 if self.critic is not None:
@@ -619,6 +626,15 @@ def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
     loss = losses.sft_loss(logp, w, denom)
     correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
     return loss, {"loss": loss, "correct": correct}
+
+
+def _prompt_keys(samples: list[Sample]) -> list[int]:
+    """Per sample, a key of its prompt (the tokens before its first loss token): equal prompts, equal keys."""
+    keys = []
+    for s in samples:
+        first = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
+        keys.append(hash(tuple(s.token_ids[:first])))
+    return keys
 
 
 def _remove_older_snapshots(current: str) -> None:
