@@ -88,6 +88,18 @@ async def test_every_mode_trains_within_the_staleness_bound(
     assert len(groups) == len(set(groups)) == 3 * 2
 
 
+def test_the_warm_start_cache_key_leaves_out_rl_only_settings(tiny_model_path):
+    """Runs that differ in their seed or RL learning rate share a warm start; the SFT's own settings and the
+    optimizer settings it uses make a new one."""
+    base = ["trainer.sft.cache=true"]
+
+    def key(*extra: str):
+        return warm_start_cache(load_config(CONFIG, [*base, *extra]), tiny_model_path)
+
+    assert key() == key("seed=7") == key("trainer.optim.lr=0.002", "trainer.total_steps=99")
+    assert key() != key("trainer.sft.lr=0.01") and key() != key("trainer.optim.betas=[0.9,0.95]")
+
+
 def test_weights_dir_is_per_driver_and_dead_drivers_folders_are_removed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     host = socket.gethostname()
