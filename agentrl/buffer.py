@@ -23,6 +23,8 @@ admission closed; or every episode of many groups in a row failed) raises Rollou
 from __future__ import annotations
 
 import asyncio
+import collections
+import heapq
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +91,11 @@ class SampleBuffer:
         self.started = 0  # episodes admitted, less those given back by filtered groups
         self._next_key = 0
         self._running: dict[int, Admission] = {}
+        # Counters over `_running`, so that admit/put and the trainer's wake-ups cost O(1) and not O(groups running):
+        # with 10k+ episodes in flight a scan on every put is a quadratic term.
+        self._in_flight = 0
+        self._running_versions: collections.Counter[int] = collections.Counter()  # version -> groups running
+        self._version_heap: list[int] = []  # those versions, oldest on top (entries at count 0 popped lazily)
         self._ready: list[Group] = []
         self._waiting_admission = 0  # episodes the producer is waiting to start
         self._failed_in_a_row = 0
@@ -100,7 +107,7 @@ class SampleBuffer:
     @property
     def in_flight(self) -> int:
         """Episodes admitted and not yet put back."""
-        return sum(a.episodes for a in self._running.values())
+        return self._in_flight
 
     # ---- producer side ---------------------------------------------------------------------------------------
     def can_start(self, episodes: int) -> bool:
@@ -124,12 +131,20 @@ class SampleBuffer:
             self._next_key += 1
             admission = Admission(self._next_key, tag, seed, episodes, self.version)
             self._running[admission.key] = admission
+            self._in_flight += episodes
+            if not self._running_versions[admission.version]:
+                heapq.heappush(self._version_heap, admission.version)
+            self._running_versions[admission.version] += 1
             return admission
 
     async def put(self, admission: Admission, group: Group) -> None:
         """A group came back: it moves from running to ready (or is counted and dropped) in one step."""
         async with self._changed:
             del self._running[admission.key]
+            self._in_flight -= admission.episodes
+            self._running_versions[admission.version] -= 1
+            if not self._running_versions[admission.version]:
+                del self._running_versions[admission.version]
             group.admitted_version = admission.version
             self.stats.episodes_failed += len(group.failures)
             self.stats.rewards_missing += len(group.missing_rewards)
@@ -168,7 +183,10 @@ class SampleBuffer:
     # ---- trainer side ----------------------------------------------------------------------------------------
     def _due_running(self) -> bool:
         """A group that must be trained in this batch (admitted max_staleness versions ago) is still running."""
-        return any(a.version <= self.version - self.max_staleness for a in self._running.values())
+        heap = self._version_heap
+        while heap and not self._running_versions.get(heap[0]):
+            heapq.heappop(heap)
+        return bool(heap) and heap[0] <= self.version - self.max_staleness
 
     def _deadlocked(self) -> bool:
         """Nothing running, too few groups ready, and the producer cannot start more: no one can move."""

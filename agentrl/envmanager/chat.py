@@ -3,6 +3,11 @@
 The model's tokens are never re-tokenised. After a model turn we append only the tokens the chat template puts
 between that turn and the next generation prompt (for ChatML: "\n<|im_start|>user\n...<|im_end|>\n<|im_start|>
 assistant\n"), computed by rendering a conversation with a placeholder assistant turn and taking the suffix.
+
+Per turn this is the env manager's largest own cost after the Ray call, so the delta's fixed text is rendered once
+per sequence of roles (with placeholder contents) and each turn only splices the contents in; the template is
+rendered for real whenever splicing is not provably the same (contents it trims, escapes or branches on), and spot-
+checked against a real render every `_RECHECK_EVERY` deltas.
 """
 
 from __future__ import annotations
@@ -10,6 +15,14 @@ from __future__ import annotations
 from typing import Any
 
 _PLACEHOLDER = "\x00AGENTRL_TURN\x00"
+_RECHECK_EVERY = 256  # a spliced delta is compared with a real render this often (and on each key's first uses)
+_FIRST_CHECKS = 4
+# Contents that make a template that trims, escapes or branches on content render differently from a splice.
+_PROBES = (' \n<tool_response>\n{"a": 1}\n</tool_response>\n ', "x")
+
+
+def _slot(i: int) -> str:
+    return f"\x00AGENTRL_MSG{i}\x00"
 
 
 class ChatTokens:
@@ -23,14 +36,46 @@ class ChatTokens:
         self._closed = self._render(self._base)
         self._turn_tail = self._closed[self._closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         self._eos_text = tokenizer.eos_token or ""
+        self._splices: dict[tuple[str, ...], list[str] | None] = {}  # roles -> fixed texts around the contents
+        self._uses: dict[tuple[str, ...], int] = {}
+        self._fast = self._fast_encoder()
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
         )
 
-    def encode(self, text: str) -> list[int]:
+    def _fast_encoder(self) -> Any:
+        """The Rust tokenizer behind a fast tokenizer, when calling it directly gives the same ids as the wrapper
+        (no truncation or padding set, same special-token handling): half the cost of a short encode."""
+        backend = getattr(self.tok, "_tokenizer", None)
+        if backend is None or not callable(getattr(backend, "encode", None)):
+            return None
+        self._split = bool(getattr(self.tok, "split_special_tokens", False))
+        if not self._fast_ok(backend):
+            return None
+        sample = self._closed + "\n" + _PROBES[0]
+        try:
+            same = backend.encode(sample, add_special_tokens=False).ids == self._slow_encode(sample)
+        except Exception:
+            return None
+        return backend if same else None
+
+    def _fast_ok(self, backend: Any) -> bool:
+        """The wrapper resets these on every call; anyone calling the tokenizer with other settings changes them."""
+        return (
+            getattr(backend, "truncation", 1) is None
+            and getattr(backend, "padding", 1) is None
+            and getattr(backend, "encode_special_tokens", None) == self._split
+        )
+
+    def _slow_encode(self, text: str) -> list[int]:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def encode(self, text: str) -> list[int]:
+        if self._fast is not None and self._fast_ok(self._fast):
+            return self._fast.encode(text, add_special_tokens=False).ids
+        return self._slow_encode(text)
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The whole conversation so far, ending in the generation prompt."""
@@ -39,15 +84,57 @@ class ChatTokens:
     def delta_ids(self, new_messages: list[dict], model_ended_with_eos: bool) -> list[int]:
         """Tokens to append after a model turn so the history equals the template render of the conversation
         plus `new_messages` and the next generation prompt."""
-        extended = self._render(self._base + new_messages, generation_prompt=True)
-        if not extended.startswith(self._closed):
-            raise ValueError("chat template is not prefix-stable; cannot append messages as deltas")
         tail = self._turn_tail
         if model_ended_with_eos and self._eos_text and tail.startswith(self._eos_text):
             tail = tail[len(self._eos_text) :]
-        return self.encode(tail + extended[len(self._closed) :])
+        return self.encode(tail + self._new_text(new_messages))
+
+    def _new_text(self, new_messages: list[dict]) -> str:
+        """What the template writes for `new_messages` and the generation prompt after the closed base."""
+        fixed = None
+        if all(len(m) == 2 and isinstance(m.get("content"), str) and "role" in m for m in new_messages):
+            roles = tuple(m["role"] for m in new_messages)
+            fixed = self._splices[roles] if roles in self._splices else self._splice_parts(roles)
+        if fixed is None:
+            return self._rendered_new(new_messages)
+        text = fixed[0] + "".join(m["content"] + part for m, part in zip(new_messages, fixed[1:], strict=True))
+        uses = self._uses[roles] = self._uses[roles] + 1
+        if (uses <= _FIRST_CHECKS or uses % _RECHECK_EVERY == 0) and text != (real := self._rendered_new(new_messages)):
+            self._splices[roles] = None  # this template treats contents specially: render these roles from now on
+            return real
+        return text
+
+    def _rendered_new(self, new_messages: list[dict]) -> str:
+        extended = self._render(self._base + new_messages, generation_prompt=True)
+        if not extended.startswith(self._closed):
+            raise ValueError("chat template is not prefix-stable; cannot append messages as deltas")
+        return extended[len(self._closed) :]
+
+    def _splice_parts(self, roles: tuple[str, ...]) -> list[str] | None:
+        """The fixed texts around the contents of messages with these roles, or None when splicing contents into
+        them would not equal the template's own render."""
+        parts: list[str] | None = None
+        try:
+            text = self._rendered_new([{"role": r, "content": _slot(i)} for i, r in enumerate(roles)])
+            parts = []
+            for i in range(len(roles)):
+                before, sep, text = text.partition(_slot(i))
+                if not sep or _slot(i) in text:
+                    raise ValueError("each content must appear once, in order")
+                parts.append(before)
+            parts.append(text)
+            for probe in _PROBES:
+                messages = [{"role": r, "content": probe} for r in roles]
+                if parts[0] + "".join(probe + p for p in parts[1:]) != self._rendered_new(messages):
+                    raise ValueError("the template changes contents")
+        except Exception:
+            parts = None
+        self._splices[roles], self._uses[roles] = parts, 0
+        return parts
 
     def model_text(self, token_ids: list[int]) -> str:
         """What the model said, without its end-of-turn token: the text an env or tool parser reads."""
         ids = token_ids[:-1] if token_ids and token_ids[-1] in self.eos_ids else token_ids
+        if self._fast is not None and not getattr(self.tok, "clean_up_tokenization_spaces", False):
+            return self._fast.decode(ids, skip_special_tokens=False)  # what tok.decode does, minus its wrapper
         return self.tok.decode(ids, skip_special_tokens=False)
