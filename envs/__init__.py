@@ -2,8 +2,9 @@
 
 Built-in ids: agentrl/Sokoban-v0 (settings as kwargs), agentrl/SimpleSokoban-v0 (6x6, 1 box: the default
 training env), agentrl/LargerSokoban-v0 (8x8, 2 boxes), agentrl/FrozenLake-v0, agentrl/GuessNumber-v0
-(information gathered over turns), agentrl/LongTail-v0 (uneven lengths and latency, for async benchmarks)
-and agentrl/GymFrozenLakeText-v0 (gymnasium's FrozenLake via the adapter).
+(information gathered over turns), agentrl/LongTail-v0 (uneven lengths and latency, for async benchmarks),
+agentrl/GymFrozenLakeText-v0 (gymnasium's FrozenLake via the adapter) and agentrl/OpenEnv-v0 (an env on an
+OpenEnv server, e.g. `agentrl serve-envs`; kwargs url, token_env, timeout_s, max_sessions).
 Entry points are strings, so importing this package stays cheap.
 """
 
@@ -42,3 +43,4 @@ register_env("agentrl/GuessNumber-v0", "agentrl.envs.guess_number:GuessNumberEnv
 register_env("agentrl/GymFrozenLakeText-v0", "agentrl.envs.gym_adapter:gym_frozen_lake_text")
 register_env("agentrl/MathTool-v0", "agentrl.envs.math_qa:MathToolEnv")
 register_env("agentrl/LongTail-v0", "agentrl.envs.long_tail:LongTailEnv")
+register_env("agentrl/OpenEnv-v0", "agentrl.envs.remote_openenv:RemoteOpenEnv")

@@ -17,6 +17,7 @@ from agentrl.metrics import read_jsonl
 from agentrl.pipeline import Pipeline
 from agentrl.warmstart import is_cached, warm_start_cache
 from agentrl.weights import weights_dir
+from tests.servers import free_port, wait_until_healthy
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 MODES = {
@@ -36,11 +37,31 @@ def warm_cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("warm_cache")
 
 
+@pytest.fixture(scope="module")
+def served_sokoban():
+    """`agentrl serve-envs` in its own process: the sync mode trains on Sokoban over the OpenEnv protocol."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agentrl", "serve-envs", "agentrl/SimpleSokoban-v0", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 async def test_every_mode_trains_within_the_staleness_bound(
-    mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir
+    mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir, request
 ):
     cache_args = [f"model.path={tiny_model_path}", "trainer.sft.cache=true", f"model.cache_dir={warm_cache_dir}"]
+    if mode == "sync":  # the train env (and the warm start's expert) on an OpenEnv server, validation in process
+        url = request.getfixturevalue("served_sokoban")
+        cache_args += ["envs.train.sokoban.env_id=agentrl/OpenEnv-v0", f"envs.train.sokoban.kwargs={{url: '{url}'}}"]
     cfg = load_config(CONFIG, [*MODES[mode], f"name={mode}", "checkpoint.every_steps=0", *cache_args])
     cache = warm_start_cache(cfg, tiny_model_path)
     reused = is_cached(cache)
@@ -74,6 +95,7 @@ async def test_every_mode_trains_within_the_staleness_bound(
     # Two-version samples depend on timing here; test_envmanager_vllm.py checks them deterministically.
     if mode == "sync":
         assert all(len(s.policy_versions) == 1 for _, samples in trained for s in samples)
+        assert all(r["rollout/failed_episodes"] == 0 for r in rows), "every episode on the served env finished"
     if cfg.reward.functions:  # the reward pool scored every trained episode: its weighted bonus is on top
         bonuses = []
         for r in rows:  # means over the step's episodes, so the weighted sum holds for them too

@@ -26,6 +26,7 @@ COMMAND_MODULES = [
     "model_cmd",
     "envs_cmd",
     "tools_cmd",
+    "serve_envs_cmd",
     "export_cmd",
     "examples_cmd",
     "init_cmd",

@@ -1,5 +1,8 @@
 """`agentrl envs` lists registered envs with their kwargs; `agentrl check-env ID [key=value ...]` checks one.
 
+`agentrl check-env http://HOST:PORT [env=ID token_env=VAR ...]` checks an env served over the OpenEnv protocol
+(e.g. by `agentrl serve-envs`), through the agentrl/OpenEnv-v0 adapter: the same checks and episodes.
+
 Envs defined in your own module are loaded with `--import my_pkg.my_env` (the module calls
 `agentrl.register_env`). check-env exits 1 and names each contract violation; usage mistakes exit 2.
 """
@@ -24,12 +27,16 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         parents=[common],
         help="check an env (gymnasium checker + text-env contract) and play random/expert episodes",
     )
-    c.add_argument("env_id", help="registered env id, e.g. agentrl/SimpleSokoban-v0")
+    c.add_argument("env_id", help="registered env id, e.g. agentrl/SimpleSokoban-v0, or an OpenEnv server URL")
     c.add_argument("kwargs", nargs="*", help="env kwargs as key=value (values are Python literals or plain text)")
     c.add_argument("--episodes", type=int, default=20, help="episodes per agent (default 20)")
     c.add_argument("--seed", type=int, default=0, help="first episode seed (default 0)")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_check)
+
+
+REMOTE_SCHEMES = ("http://", "https://", "ws://", "wss://")
+REMOTE_ENV_ID = "agentrl/OpenEnv-v0"
 
 
 def parse_kwargs(items: list[str]) -> dict[str, Any]:
@@ -66,6 +73,9 @@ def _check(args: argparse.Namespace) -> int:
     from agentrl.envs.checker import check_text_env
 
     kwargs = parse_kwargs(args.kwargs)
+    if args.env_id.startswith(REMOTE_SCHEMES):  # a server: check it through the OpenEnv adapter
+        kwargs = {"url": args.env_id, **kwargs}
+        args.env_id = REMOTE_ENV_ID
     try:
         known = env_kwargs(args.env_id)
         unknown = sorted(set(kwargs) - set(known))
