@@ -104,7 +104,8 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
         "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window],
         "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),
-        "optim": cfg.trainer.optim.model_dump(exclude={"lr"}),  # the warm start runs at trainer.sft.lr
+        # The warm start runs at trainer.sft.lr, constant: the RL lr and schedule do not change it.
+        "optim": cfg.trainer.optim.model_dump(exclude={"lr", "schedule", "warmup_steps"}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cfg.model.cache_dir).expanduser() / f"warmstart-{digest}"

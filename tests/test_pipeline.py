@@ -119,6 +119,7 @@ def test_the_warm_start_cache_key_leaves_out_rl_only_settings(tiny_model_path):
         return warm_start_cache(load_config(CONFIG, [*base, *extra]), tiny_model_path)
 
     assert key() == key("seed=7") == key("trainer.optim.lr=0.002", "trainer.total_steps=99")
+    assert key() == key("trainer.optim.schedule=linear", "trainer.optim.warmup_steps=5")
     assert key() != key("trainer.sft.lr=0.01") and key() != key("trainer.optim.betas=[0.9,0.95]")
 
 

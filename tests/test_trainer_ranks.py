@@ -183,9 +183,12 @@ def test_sft_step_lowers_loss_on_demonstrations(ray_session) -> None:
     samples = _chat_samples(tokenizer, 16)
     cfg = _cfg(1)
     cfg.trainer.sft.lr = 3e-3
+    cfg.trainer.optim.schedule, cfg.trainer.optim.warmup_steps = "linear", 4  # RL's schedule: not the warm start's
     group = TrainerGroup(cfg)
     try:
-        losses = [group.sft_step(samples)["sft/loss"] for _ in range(8)]
+        steps = [group.sft_step(samples) for _ in range(8)]
+        losses = [m["sft/loss"] for m in steps]
+        assert [m["sft/lr"] for m in steps] == [3e-3] * 8
         assert group.version == 0  # a warm start: the policy version counts RL batches only
         lp = group.compute_logprobs(samples[:1])[0]
     finally:

@@ -26,7 +26,7 @@ def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, total_steps: int, lr: float | None = None
+    params: Iterable[torch.nn.Parameter], cfg: OptimConfig, total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with its scheduler. Fused (one kernel for all parameters) where the parameters live on CUDA; the
     plain loop elsewhere: on CPU it is no slower and keeps DTensor params simple, and with CPU offload the params
@@ -36,7 +36,7 @@ def build_optimizer(
     fused = bool(trainable) and trainable[0].device.type == "cuda"
     opt = torch.optim.AdamW(
         trainable,
-        lr=lr if lr is not None else cfg.lr,
+        lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,

@@ -560,7 +560,10 @@ class TrainerRank:
         return weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer)
 
     def _sft_optimizer(self) -> TrainOptimizer:
-        return self.backend.optimizer(self.model, max(self.tc.sft.steps, 1), lr=self.tc.sft.lr)
+        """AdamW at trainer.sft.lr, constant: the warm start keeps trainer.optim's betas, eps, decay and clipping,
+        not the RL run's warmup and schedule (which count RL steps)."""
+        sft = self.tc.optim.model_copy(update={"lr": self.tc.sft.lr, "schedule": "constant", "warmup_steps": 0})
+        return self.backend.optimizer(self.model, max(self.tc.sft.steps, 1), sft)
 
     def _optimizers(self) -> dict[str, TrainOptimizer]:
         opts = {"optim": self.opt}

@@ -19,6 +19,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from agentrl.config.schema import OptimConfig
+
 Role = Literal["policy", "reference", "critic"]
 Batch = dict[str, torch.Tensor]
 # loss_fn(batch, out, ent) -> (loss, sums): `out` the per-token log-probs (policy, reference) or values (critic),
@@ -72,8 +74,8 @@ class ModelBackend(ABC):
         filled from the HF checkpoint. Collective."""
 
     @abstractmethod
-    def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> TrainOptimizer:
-        """AdamW over `model` with `trainer.optim`'s schedule (`lr` overrides the peak)."""
+    def optimizer(self, model: nn.Module, total_steps: int, optim: OptimConfig | None = None) -> TrainOptimizer:
+        """AdamW over `model` with `optim`'s settings and schedule (default `trainer.optim`)."""
 
     @abstractmethod
     def forward_backward(

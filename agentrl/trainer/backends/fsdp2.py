@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.config.schema import OptimConfig
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
 from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
@@ -25,9 +26,9 @@ from agentrl.trainer.sharding import build_sharded
 class FSDP2Optimizer(TrainOptimizer):
     """AdamW + LambdaLR over one FSDP2 model; clipping uses the global norm of the sharded gradients."""
 
-    def __init__(self, model: nn.Module, cfg: Any, total_steps: int, lr: float | None) -> None:
+    def __init__(self, model: nn.Module, cfg: OptimConfig, total_steps: int) -> None:
         self.model, self.grad_clip = model, cfg.grad_clip
-        self.optimizer, self.schedule = build_optimizer(model.parameters(), cfg, total_steps, lr=lr)
+        self.optimizer, self.schedule = build_optimizer(model.parameters(), cfg, total_steps)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -67,8 +68,8 @@ class FSDP2Backend(ModelBackend):
     def build(self, role: Role) -> nn.Module:
         return build_sharded(self.model_path, self.device, self.tc, self.platform, role)
 
-    def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> FSDP2Optimizer:
-        return FSDP2Optimizer(model, self.tc.optim, total_steps, lr)
+    def optimizer(self, model: nn.Module, total_steps: int, optim: OptimConfig | None = None) -> FSDP2Optimizer:
+        return FSDP2Optimizer(model, optim or self.tc.optim, total_steps)
 
     def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
         """One micro-batch after another; the loss times `dp_size` because FSDP2 averages gradients over ranks."""

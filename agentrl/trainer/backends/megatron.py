@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.config.schema import OptimConfig
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
 from agentrl.trainer.backends.megatron_bridge import (
     add_value_head,
@@ -246,11 +247,11 @@ class MegatronBackend(ModelBackend):
 
     # ------------------------------------------------------------------------------------------ optimizer
 
-    def optimizer(self, model: nn.Module, total_steps: int, lr: float | None = None) -> TrainOptimizer:
+    def optimizer(self, model: nn.Module, total_steps: int, optim: OptimConfig | None = None) -> TrainOptimizer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        oc = self.cfg.trainer.optim
-        peak = lr if lr is not None else oc.lr
+        oc = optim or self.cfg.trainer.optim
+        peak = oc.lr
         config = OptimizerConfig(
             optimizer="adam",
             lr=peak,
