@@ -33,11 +33,19 @@ def url():
         yield base
 
 
+def _until_no_sessions(url: str, timeout_s: float = 10.0) -> None:
+    """Wait until the server has seen every session close (it counts them in /health), not for a fixed time."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/health", timeout=5).json()["sessions"]:
+        assert time.monotonic() < deadline, "the server still counts open sessions"
+        time.sleep(0.01)
+
+
 @pytest.fixture(autouse=True)
-def _no_pooled_sessions():
+def _no_pooled_sessions(url):
     """Pooled sessions of earlier tests count against the server's session cap: start each test without."""
     close_idle_sessions()
-    time.sleep(0.05)
+    _until_no_sessions(url)
     yield
     close_idle_sessions()
 
@@ -116,7 +124,7 @@ def test_session_cap_is_503_not_500(url):
     finally:
         for s in socks:
             s.close()
-    time.sleep(0.2)
+    _until_no_sessions(url)
     ws(url).close()  # slots come back
 
 
