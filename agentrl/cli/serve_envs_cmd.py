@@ -4,17 +4,15 @@ over the OpenEnv protocol (WebSocket sessions at /ws; `?env_id=` picks one when 
 from __future__ import annotations
 
 import argparse
-import os
 
 from agentrl.cli import UsageError
+from agentrl.cli.server_args import add_bind_args, bearer_token
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve-envs", parents=[common], help="serve registered envs over the OpenEnv protocol")
     p.add_argument("env_ids", nargs="+", metavar="ENV_ID", help="registered env ids; the first is the default")
-    p.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs --token-env")
-    p.add_argument("--port", type=int, default=8810)
-    p.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token")
+    add_bind_args(p, default_port=8810)
     p.add_argument("--workers", type=int, default=1, help="worker processes behind the port (SO_REUSEPORT)")
     p.add_argument("--max-worker-rss-mb", type=float, default=0.0, help="recycle a worker past this RSS (0: never)")
     p.add_argument("--max-sessions", type=int, default=512, help="open sessions per worker before 503")
@@ -30,11 +28,7 @@ def _serve(args: argparse.Namespace) -> int:
     from agentrl.envserve.workers import PoolConfig, WorkerPool
     from agentrl.tools.serve import check_port, is_loopback
 
-    token = None
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise UsageError(f"--token-env {args.token_env}: the variable is not set or empty")
+    token = bearer_token(args)
     if token is None and not is_loopback(args.host):
         raise UsageError(
             f"refusing to serve envs on {args.host} without auth: pass --token-env VAR (bearer token in $VAR) "

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 from agentrl.cli import UsageError
+from agentrl.cli.server_args import add_bind_args, bearer_token
 
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("serve-tools", parents=[common], help="serve tools over HTTP (FastAPI + uvicorn)")
     p.add_argument("tools_file", metavar="TOOLS.yaml", help="a tools: section (sets -> name -> python: mod:fn)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs --token-env")
-    p.add_argument("--port", type=int, default=8808)
-    p.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token")
+    add_bind_args(p, default_port=8808)
     p.add_argument("--max-concurrency", type=int, default=256, help="tool calls running at once")
     p.add_argument("--max-queue", type=int, default=1024, help="calls waiting for a slot before 503")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413")
@@ -26,11 +24,7 @@ def _serve(args: argparse.Namespace) -> int:
     from agentrl.tools.serve import ServeError, check_bind, check_port, load_tools_file, serve
     from agentrl.tools.server import ServerLimits
 
-    token = None
-    if args.token_env:
-        token = os.environ.get(args.token_env)
-        if not token:
-            raise UsageError(f"--token-env {args.token_env}: the variable is not set or empty")
+    token = bearer_token(args)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port}: must be 1-65535")
     for flag in ("max_concurrency", "max_queue", "max_body_bytes", "max_sessions"):
