@@ -16,7 +16,6 @@ episode, counts it, and the run goes on; the broken socket is dropped, never reu
 from __future__ import annotations
 
 import json
-import os
 import random
 import threading
 import time
@@ -69,15 +68,6 @@ def ws_url(settings: RemoteEnvSettings) -> str:
     path = path if path.endswith("/ws") else path + "/ws"
     query = urllib.parse.urlencode({"env_id": settings.env}) if settings.env else ""
     return urllib.parse.urlunsplit((scheme, parts.netloc, path, query, ""))
-
-
-def _token(settings: RemoteEnvSettings) -> str | None:
-    if settings.token_env is None:
-        return None
-    token = os.environ.get(settings.token_env)
-    if not token:
-        raise ValueError(f"token_env: the variable {settings.token_env} is not set or empty")
-    return token
 
 
 def _is_loopback_url(url: str) -> bool:
@@ -183,7 +173,9 @@ _POOLS_LOCK = threading.Lock()
 
 
 def session_pool(settings: RemoteEnvSettings) -> SessionPool:
-    url, token = ws_url(settings), _token(settings)
+    from agentrl.tools.client import token_from_env
+
+    url, token = ws_url(settings), token_from_env(settings.token_env, "token_env")
     key = (url, token, settings.timeout_s, settings.max_sessions)
     with _POOLS_LOCK:
         if key not in _POOLS:

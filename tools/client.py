@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import random
 import time
 from typing import Any
@@ -22,6 +23,18 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from agentrl.tools.core import ToolResult
+
+
+def token_from_env(var: str | None, what: str) -> str | None:
+    """The bearer token held by environment variable `var` (None: no auth). Config files name the variable, never
+    the secret; `what` names the setting in the error."""
+    if var is None:
+        return None
+    token = os.environ.get(var)
+    if not token:
+        raise ValueError(f"{what}: the environment variable {var} is not set or empty")
+    return token
+
 
 # The request never reached the tool, or the server dropped it unanswered: safe to send again. A timeout
 # (asyncio.TimeoutError, aiohttp.ServerTimeoutError) is not: the tool may be running.

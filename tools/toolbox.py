@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import importlib
 import logging
-import os
 import time
 from typing import Any
 
 import httpx
 from pydantic import ValidationError
 
-from agentrl.config.schema import ToolsConfig, ToolSpec
-from agentrl.tools.client import ToolClient, ToolServerError
+from agentrl.config.schema import ToolsConfig
+from agentrl.tools.client import ToolClient, ToolServerError, token_from_env
 from agentrl.tools.core import SessionStore, Tool, ToolResult, format_validation_error, to_content
 
 log = logging.getLogger(__name__)
@@ -42,15 +41,6 @@ def load_python_tool(path: str, name: str | None = None, timeout_s: float | None
     if not callable(obj):
         raise ValueError(f"tool {path!r} is not callable")
     return Tool(obj, name=name, timeout_s=timeout_s)
-
-
-def _token(spec: ToolSpec) -> str | None:
-    if spec.token_env is None:
-        return None
-    token = os.environ.get(spec.token_env)
-    if not token:
-        raise ValueError(f"tool server token: environment variable {spec.token_env} is not set")
-    return token
 
 
 class Toolbox:
@@ -168,7 +158,7 @@ def build_toolbox(tools_config: ToolsConfig, set_names: list[str]) -> Toolbox:
             if spec.python is not None:
                 box.add(load_python_tool(spec.python, name=name, timeout_s=spec.timeout_s))
                 continue
-            token = _token(spec)
+            token = token_from_env(spec.token_env, "tool server token")
             key = (spec.url.rstrip("/"), token)
             if key not in fetched:
                 fetched[key] = _fetch_schemas(spec.url, token)
