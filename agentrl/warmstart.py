@@ -6,20 +6,26 @@ skipped and counted (like a failed RL episode), never the end of the run.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError
 from agentrl.config.schema import Config, TrainEnvConfig
 from agentrl.envmanager.chat import ChatTokens
-from agentrl.envmanager.manager import FirstOfKind
+from agentrl.envmanager.episode import Messages, tool_contents
+from agentrl.envmanager.manager import FirstOfKind, build_toolboxes
 from agentrl.envs import make_env
+from agentrl.tools.parsers import parse_tool_calls
 from agentrl.types import Sample, group_id_for
 
 DEMO_SEED_OFFSET = 2_000_000  # disjoint from training (0...) and validation (validation.seed_start...) seeds
+DEMO_FORMAT = 2  # part of the warm-start cache key: 2 runs tool calls (1 stepped the env with them)
 
 
 class Demos(list[Sample]):
@@ -29,60 +35,103 @@ class Demos(list[Sample]):
 
 
 def expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Callable[[], None] = lambda: None) -> Demos:
-    """Play each train env's expert and turn its turns into samples shaped like RL samples (same prompts).
+    """Play each train env's expert and turn its turns into samples shaped like RL samples (same prompts: tool
+    schemas in the system prompt, tool calls run through the configured tools and their results read back).
     A failing episode is skipped (the first failure of each kind is logged); raises ConfigError when all fail.
-    tick() is called after each episode (the console's progress)."""
-    chat = ChatTokens(tokenizer)
+    tick() is called after each episode (the console's progress). Runs its own event loop: call it off one."""
+    return asyncio.run(_expert_samples(cfg, tokenizer, episodes, tick))
+
+
+async def _expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Callable[[], None]) -> Demos:
+    boxes = build_toolboxes(cfg, splits=("train",))
+    chats = {sets: ChatTokens(tokenizer, box.schemas()) for sets, box in boxes.items()}
+    chats[()] = ChatTokens(tokenizer)
+    parse = functools.partial(parse_tool_calls, parser=cfg.tools.parser)
     samples = Demos()
     tags = list(cfg.envs.train.items())
     log_failure, first_error = FirstOfKind("SFT warm start"), ""
-    for i in range(episodes):
-        tag, spec = tags[i % len(tags)]
-        try:
-            samples += _demo_episode(cfg, chat, tokenizer.eos_token_id, tag, spec, i)
-        except Exception as err:  # the env's own bug: skip this demo, keep the others
-            samples.failed_episodes += 1
-            error = f"{type(err).__name__}: {err}"
-            first_error = first_error or f"envs.train.{tag} ({spec.env_id}): {error}"
-            log_failure(f"demo episode {i} of envs.train.{tag} ({spec.env_id})", error)
-        tick()
+    try:
+        for i in range(episodes):
+            tag, spec = tags[i % len(tags)]
+            sets = tuple(spec.tools)
+            demo = _Demo(cfg, chats[sets], boxes.get(sets), parse, tokenizer.eos_token_id)
+            try:
+                samples += await demo.play(tag, spec, i)
+            except Exception as err:  # the env's (or a tool's) own bug: skip this demo, keep the others
+                samples.failed_episodes += 1
+                error = f"{type(err).__name__}: {err}"
+                first_error = first_error or f"envs.train.{tag} ({spec.env_id}): {error}"
+                log_failure(f"demo episode {i} of envs.train.{tag} ({spec.env_id})", error)
+            tick()
+    finally:
+        for box in boxes.values():
+            await box.aclose()
     if episodes and samples.failed_episodes == episodes:
         raise ConfigError(f"trainer.sft: all {episodes} expert demo episodes failed; the first: {first_error}")
     return samples
 
 
-def _demo_episode(cfg: Config, chat: ChatTokens, eos_id: int, tag: str, spec: TrainEnvConfig, i: int) -> list[Sample]:
-    """One expert episode's turns as samples (all or nothing: a failing episode gives no samples)."""
-    samples: list[Sample] = []
-    env = make_env(spec.env_id, **spec.kwargs)
-    obs, _ = env.reset(seed=DEMO_SEED_OFFSET + spec.seed_start + i)
-    messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
-    for _ in range(spec.max_turns or env.max_steps):
-        action = env.expert_action()
-        if action is None:
-            break
-        if cfg.envs.sample_mode == "step":
-            window = messages[:1] + messages[max(1, len(messages) - 1 - 2 * cfg.envs.step_history_window) :]
-            prompt = chat.prompt_ids(window)
-        else:
-            prompt = chat.prompt_ids(messages)
-        answer = [*chat.encode(action), eos_id]
-        samples.append(
-            Sample(
-                prompt + answer,
-                [0] * len(prompt) + [1] * len(answer),
-                [0.0] * (len(prompt) + len(answer)),
-                [-1] * (len(prompt) + len(answer)),
-                reward=0.0,
-                group_id=group_id_for("demo", tag, i),
-                episode_id=group_id_for("demo", tag, i),
-            )
-        )
-        obs, _, terminated, truncated, _ = env.step(action)
-        messages += [{"role": "assistant", "content": action}, {"role": "user", "content": obs}]
-        if terminated or truncated:
-            break
-    return samples
+@dataclass
+class _Demo:
+    """One expert episode played the way an env manager plays a policy's (see agentrl.envmanager.episode)."""
+
+    cfg: Config
+    chat: ChatTokens
+    box: Any  # the env's Toolbox, or None
+    parse: Callable[[str], list]
+    eos_id: int
+
+    async def play(self, tag: str, spec: TrainEnvConfig, i: int) -> list[Sample]:
+        """The episode's turns as samples (all or nothing: a failing episode gives no samples)."""
+        episode_id = group_id_for("demo", tag, i)
+        env = make_env(spec.env_id, **spec.kwargs)
+        obs, _ = env.reset(seed=DEMO_SEED_OFFSET + spec.seed_start + i)
+        messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
+        turn_starts, calls_left = [1], self.cfg.tools.max_calls_per_episode
+        samples: list[Sample] = []
+        if self.box is not None:
+            await self.box.open_session(episode_id)
+        try:
+            for turn in range(spec.max_turns or env.max_steps):
+                action = env.expert_action()
+                if action is None:
+                    break
+                samples.append(self._sample(self._prompt(messages, turn_starts, turn), action, episode_id))
+                messages.append({"role": "assistant", "content": action})
+                calls = self.parse(action) if self.box is not None else []
+                if calls:
+                    allowed = min(self.cfg.tools.max_calls_per_turn, max(calls_left, 0))
+                    contents = await tool_contents(self.box, calls, allowed, episode_id)
+                    calls_left -= min(len(calls), allowed)
+                    if hasattr(env, "observe_tool_results"):
+                        env.observe_tool_results(contents)
+                    pending = [{"role": "tool", "content": c} for c in contents]
+                else:
+                    obs, _, terminated, truncated, _ = env.step(action)
+                    if terminated or truncated:
+                        break
+                    pending = [{"role": "user", "content": obs}]
+                turn_starts.append(len(messages))
+                messages += pending
+        finally:
+            if self.box is not None:
+                await self.box.close_session(episode_id)
+        return samples
+
+    def _prompt(self, messages: Messages, turn_starts: list[int], turn: int) -> list[int]:
+        envs = self.cfg.envs
+        if envs.sample_mode == "step":
+            start = turn_starts[max(0, turn - envs.step_history_window)]
+            return self.chat.prompt_ids(messages[:1] + messages[start:])
+        return self.chat.prompt_ids(messages)
+
+    def _sample(self, prompt: list[int], action: str, episode_id: str) -> Sample:
+        answer = [*self.chat.encode(action), self.eos_id]
+        n = len(prompt) + len(answer)
+        return Sample(
+            prompt + answer, [0] * len(prompt) + [1] * len(answer), [0.0] * n, [-1] * n,
+            reward=0.0, group_id=episode_id, episode_id=episode_id,
+        )  # fmt: skip
 
 
 def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
@@ -102,7 +151,8 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "model": [str(Path(model_path).resolve()), cfg.model.revision, cfg.model.tokenizer, weights],
         "sft": sft.model_dump(exclude={"cache"}),
         "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
-        "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window],
+        "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window, DEMO_FORMAT],
+        "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
         "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),
         # The warm start runs at trainer.sft.lr, constant: the RL lr and schedule do not change it.
         "optim": cfg.trainer.optim.model_dump(exclude={"lr", "schedule", "warmup_steps"}),

@@ -182,22 +182,28 @@ class EpisodeRunner:
 
     async def _run_tools(self, run: _Running, calls: list, turn: Turn) -> Messages:
         """Run this turn's tool calls concurrently; malformed or surplus calls become error messages."""
-        from agentrl.tools import ParseError
-
         allowed = min(self.tools.max_calls_per_turn, max(run.calls_left, 0))
         t0 = time.perf_counter()
-
-        async def one(i: int, call: Any) -> str:
-            if isinstance(call, ParseError):
-                return f"error: could not parse tool call: {call.message}"
-            if i >= allowed:
-                return "error: tool call limit reached (per turn or per episode); call skipped"
-            res = await run.box.call(call.name, call.arguments, run.spec.episode_id)
-            return res.content if res.ok else f"error: {res.error or res.content}"
-
-        contents = await asyncio.gather(*(one(i, c) for i, c in enumerate(calls)))
+        contents = await tool_contents(run.box, calls, allowed, run.spec.episode_id)
         turn.tool_calls = min(len(calls), allowed)
         run.calls_left -= turn.tool_calls
         run.ep.timings["tool"] += time.perf_counter() - t0
         run.ep.tool_calls += turn.tool_calls
         return [{"role": "tool", "content": c} for c in contents]
+
+
+async def tool_contents(box: Any, calls: list, allowed: int, session_id: str) -> list[str]:
+    """What the model reads back for one turn's tool calls, run concurrently: each result, or an error message
+    for a malformed call, a failed one, or one past the first `allowed` (shared with the SFT warm start's demos,
+    so the expert sees exactly what the policy will)."""
+    from agentrl.tools import ParseError
+
+    async def one(i: int, call: Any) -> str:
+        if isinstance(call, ParseError):
+            return f"error: could not parse tool call: {call.message}"
+        if i >= allowed:
+            return "error: tool call limit reached (per turn or per episode); call skipped"
+        res = await box.call(call.name, call.arguments, session_id)
+        return res.content if res.ok else f"error: {res.error or res.content}"
+
+    return list(await asyncio.gather(*(one(i, c) for i, c in enumerate(calls))))

@@ -48,6 +48,17 @@ def _make_env(env_id: str, kwargs: dict) -> Any:
     return make_env(env_id, **kwargs)
 
 
+def build_toolboxes(cfg: Config, splits: tuple[str, ...] = ("train", "val")) -> dict[tuple[str, ...], Any]:
+    """One Toolbox per distinct tool-set list of the envs of `splits` (remote schemas are fetched here)."""
+    specs = [spec for split in splits for spec in getattr(cfg.envs, split).values()]
+    wanted = {tuple(s.tools) for s in specs if s.tools}
+    if not wanted:
+        return {}
+    from agentrl.tools import build_toolbox
+
+    return {sets: build_toolbox(cfg.tools, list(sets)) for sets in wanted}
+
+
 class FirstOfKind:
     """Logs the first failure of each kind (error type + message start) and counts the rest silently: a user
     sees why episodes fail without one warning per episode (the count is `rollout/failed_episodes`)."""
@@ -92,18 +103,9 @@ class EnvManager:
             cfg.envs,
             cfg.tools,
             ThreadPoolExecutor(max_workers=cfg.envs.env_threads, thread_name_prefix="env"),
-            toolboxes=self._toolboxes(cfg),
+            toolboxes=build_toolboxes(cfg),
             tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
         )
-
-    @staticmethod
-    def _toolboxes(cfg: Config) -> dict[tuple[str, ...], Any]:
-        wanted = {tuple(s.tools) for s in [*cfg.envs.train.values(), *cfg.envs.val.values()] if s.tools}
-        if not wanted:
-            return {}
-        from agentrl.tools import build_toolbox
-
-        return {sets: build_toolbox(cfg.tools, list(sets)) for sets in wanted}
 
     async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         return await self.router.generate.remote(episode_id, ids, sampling, rid)

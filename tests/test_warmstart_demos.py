@@ -1,0 +1,89 @@
+"""The SFT warm start's expert demos are shaped exactly like the policy's own turns: same prompts (tool schemas
+included), tool calls run through the configured tools and their results read back, the same step-wise window.
+
+The reference is the env manager's real `EpisodeRunner`, driven by a policy that says what the expert says."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from agentrl.config.schema import Config
+from agentrl.envmanager.chat import ChatTokens
+from agentrl.envmanager.episode import EpisodeRunner
+from agentrl.envmanager.manager import build_toolboxes
+from agentrl.envs import make_env
+from agentrl.tools.parsers import parse_tool_calls
+from agentrl.types import EpisodeSpec, GenOutput
+from agentrl.warmstart import DEMO_SEED_OFFSET, expert_samples
+
+CALCULATOR = {"calculator": {"calculator": {"python": "agentrl.tools.calculator:calculator"}}}
+
+
+def _math_config(sample_mode: str) -> Config:
+    math = {"env_id": "agentrl/MathTool-v0", "tools": ["calculator"], "max_turns": 3}
+    return Config.model_validate(
+        {
+            "tools": {"sets": CALCULATOR},
+            "envs": {"train": {"math": math}, "sample_mode": sample_mode, "step_history_window": 1},
+            "rollout": {"sampling": {"max_tokens": 64}},
+        }
+    )
+
+
+async def _policy_turns(cfg: Config, tokenizer: Any, seed: int) -> tuple[list[list[int]], list[list[int]], Any]:
+    """Prompts and answers of one episode played by the env manager's runner, the policy echoing the expert."""
+    made: dict[str, Any] = {}
+    chat = ChatTokens(tokenizer)
+
+    def make(env_id: str, kwargs: dict) -> Any:
+        made["env"] = make_env(env_id, **kwargs)
+        return made["env"]
+
+    async def generate(episode_id: str, ids: list[int], sampling: Any, rid: str) -> GenOutput:
+        tokens = [*chat.encode(made["env"].expert_action()), tokenizer.eos_token_id]
+        return GenOutput(tokens, [0.0] * len(tokens), "stop", 0)
+
+    spec = cfg.envs.train["math"]
+    runner = EpisodeRunner(
+        tokenizer,
+        generate,
+        make,
+        cfg.envs,
+        cfg.tools,
+        ThreadPoolExecutor(2),
+        toolboxes=build_toolboxes(cfg),
+        tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
+    )
+    episode = EpisodeSpec(
+        spec.env_id, seed, "math", max_turns=spec.max_turns, tool_sets=spec.tools, sampling=cfg.rollout.sampling
+    )
+    ep = await runner.run(episode)
+    assert ep.error is None, ep.error
+    return [t.prompt_ids for t in ep.turns], [t.token_ids for t in ep.turns], ep
+
+
+@pytest.mark.parametrize("sample_mode", ["trajectory", "step"])
+def test_tool_demos_match_the_policys_own_turns(tiny_model_path: str, sample_mode: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    cfg = _math_config(sample_mode)
+    demos = expert_samples(cfg, tokenizer, 3)
+    assert demos.failed_episodes == 0
+    for i in range(3):
+        mine = [s for s in demos if s.episode_id == f"demo/math/{i}"]
+        prompts, answers, ep = asyncio.run(_policy_turns(cfg, tokenizer, DEMO_SEED_OFFSET + i))
+        assert len(mine) == len(prompts) == 2  # a calculator call, then the answer it read back
+        for sample, prompt, answer in zip(mine, prompts, answers, strict=True):
+            split = sample.loss_mask.index(1)
+            assert sample.token_ids[:split] == prompt  # the very prompt the policy sees at that turn
+            assert sample.token_ids[split:] == answer
+        assert ep.metrics["success"] == 1.0 and ep.tool_calls == 1
+        text = tokenizer.decode(mine[1].token_ids)
+        assert "<tool_response>" in text and '"name": "calculator"' in text  # result read back, schema shown
+        assert ep.task["ground_truth"] in tokenizer.decode(mine[1].token_ids[mine[1].loss_mask.index(1) :])
