@@ -1,7 +1,8 @@
 """The two fast paths behind tool-server throughput: the server's tool-call path (valid calls skip FastAPI's
 routing and request parsing; everything else must be answered exactly as the FastAPI route answers it) and the
-client's keep-alive pool (aiohttp), against scripted servers: every HTTP/1.1 answer shape, connections the server
-closed while idle, timeouts, its connection limit, proxies from the environment and the retry rules.
+client's keep-alive pool (agentrl.tools.http1), against scripted servers: every HTTP/1.1 answer shape,
+connections the server closed while idle, timeouts, its connection limit, proxies from the environment and the
+retry rules.
 """
 
 from __future__ import annotations
@@ -261,7 +262,7 @@ async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
 
 def _idle_connections_closed(client: ToolClient) -> bool:
     """The client's pooled keep-alive connections have all seen the server's close."""
-    return all(not proto.is_connected() for conns in client._session.connector._conns.values() for proto, _ in conns)
+    return not client._pool.idle  # connections the server closed leave the pool as the close is seen
 
 
 async def test_client_timeouts_errors_and_pool_limit():
@@ -283,7 +284,7 @@ async def test_client_timeouts_errors_and_pool_limit():
         r = await c.call("t", {"n": 1}, timeout_s=0.03)  # the one connection is busy for 0.1 s
         assert not r.ok and "timed out" in r.error
         waiting = asyncio.create_task(c.call("t", {"n": 1}))
-        await _until(lambda: any(c._session.connector._waiters.values()), "the call to queue for the connection")
+        await _until(lambda: bool(c._pool.waiters), "the call to queue for the connection")
         waiting.cancel()  # a request cancelled while queued gives up its place, and no slot leaks
         assert (await first).ok
         assert all(r.ok for r in await asyncio.gather(*(c.call("t", {"n": 1}) for _ in range(3))))

@@ -1,10 +1,12 @@
 """Async client for `agentrl serve-tools`, used by env managers through `Toolbox` (url: tools).
 
-One aiohttp session (keep-alive connection pool) per server and event loop. Retries (exponential backoff with
-jitter) happen only where a retry is safe or the server asks for it: connection errors (the request never
-reached the tool, or the server dropped the connection without answering) and 5xx answers (including 503
-"busy", honouring Retry-After). A timeout is never retried: the tool may be running. Every failure comes back as
-a `ToolResult(ok=False)` whose content tells the model what happened.
+One keep-alive connection pool per server and event loop. Plain http:// servers reached directly (the usual
+case: tool servers next to the trainer) get the lean HTTP/1.1 pool of `agentrl.tools.http1`; https:// URLs and
+URLs that HTTP(S)_PROXY / NO_PROXY route through a proxy get an aiohttp session (`_uses_lean_transport` makes
+that choice). Retries (exponential backoff with jitter) happen only where a retry is safe or the server asks for
+it: connection errors (the request never reached the tool, or the server dropped the connection without
+answering) and 5xx answers (including 503 "busy", honouring Retry-After). A timeout is never retried: the tool
+may be running. Every failure comes back as a `ToolResult(ok=False)` whose content tells the model what happened.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
 from agentrl.tools.core import ToolResult
+from agentrl.tools.http1 import Answer, Http1Pool
 
 
 def token_from_env(var: str | None, what: str) -> str | None:
@@ -37,7 +40,7 @@ def token_from_env(var: str | None, what: str) -> str | None:
 
 
 # The request never reached the tool, or the server dropped it unanswered: safe to send again. A timeout
-# (asyncio.TimeoutError, aiohttp.ServerTimeoutError) is not: the tool may be running.
+# (asyncio.TimeoutError, aiohttp.ServerTimeoutError) is not: the tool may be running. Both transports raise these.
 _RETRYABLE_EXC: tuple[type[BaseException], ...] = (
     aiohttp.ClientConnectorError,  # refused, unreachable, DNS (also proxy connection errors)
     aiohttp.ConnectionTimeoutError,  # connecting took over the connect timeout
@@ -54,28 +57,81 @@ class ToolServerError(RuntimeError):
     """A management call (list tools, sessions, health) failed after retries."""
 
 
-class _Response:
-    """An answer read whole: status_code, headers (case-insensitive), content, text, json()."""
-
-    __slots__ = ("content", "headers", "status_code")
-
-    def __init__(self, status_code: int, headers: Any, content: bytes) -> None:
-        self.status_code = status_code
-        self.headers = headers
-        self.content = content
-
-    @property
-    def text(self) -> str:
-        return self.content.decode("utf-8", errors="replace")
-
-    def json(self) -> Any:
-        return json.loads(self.content)
-
-
 @functools.lru_cache(maxsize=64)
 def _timeout(total: float) -> aiohttp.ClientTimeout:
     """Whole-request timeout (waiting for a pooled connection included); connecting alone at most 5 s."""
     return aiohttp.ClientTimeout(total=total, sock_connect=min(5.0, total))
+
+
+KEEPALIVE_S = 4.0  # under uvicorn's 5 s, so the client drops idle connections first
+
+
+def _uses_lean_transport(url: URL) -> bool:
+    """The lean pool (agentrl.tools.http1) serves plain http:// reached directly; aiohttp serves https://, URLs
+    with a login in them, and URLs that the environment routes through a proxy (HTTP_PROXY / ALL_PROXY, unless
+    NO_PROXY exempts them)."""
+    if url.scheme != "http" or url.user is not None:  # a login in the URL: aiohttp sends it (Basic auth)
+        return False
+    try:
+        get_env_proxy_for_url(url)
+    except LookupError:  # no proxy for this URL
+        return True
+    return False
+
+
+class _AiohttpTransport:
+    """An aiohttp session: https://, proxies from the environment (and the proxy's ~/.netrc login)."""
+
+    def __init__(self, base_url: str, headers: dict[str, str], max_connections: int) -> None:
+        self.base_url = base_url
+        self._urls: dict[str, URL] = {}
+        connector = aiohttp.TCPConnector(
+            limit=max_connections,  # one server per client: the per-host limit is the same
+            limit_per_host=max_connections,
+            force_close=False,
+            keepalive_timeout=KEEPALIVE_S,
+            ttl_dns_cache=300,
+        )
+        try:  # read once as httpx did
+            proxy, proxy_auth = get_env_proxy_for_url(URL(base_url))
+        except LookupError:
+            proxy, proxy_auth = None, None
+        self.session = aiohttp.ClientSession(
+            connector=connector,
+            headers=headers,
+            raise_for_status=False,
+            # not trust_env=True: it looks the proxy up again on every request, in a worker thread
+            proxy=proxy,
+            proxy_auth=proxy_auth,
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+
+    def _url(self, path: str) -> URL:
+        url = self._urls.get(path)
+        if url is None:
+            url = URL(self.base_url + path)
+            if len(self._urls) < 4096:
+                self._urls[path] = url
+        return url
+
+    async def request(self, method: str, path: str, body: bytes | None, timeout_s: float) -> Answer:
+        """One attempt, its answer read whole."""
+        async with self.session.request(
+            method,
+            self._url(path),
+            data=body,
+            headers=_JSON_HEADERS if body is not None else None,
+            timeout=_timeout(timeout_s),
+            allow_redirects=False,
+        ) as resp:
+            return Answer(resp.status, resp.headers, await resp.read())  # type: ignore[arg-type]
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+    def abandon(self) -> None:
+        if self.session.connector is not None:
+            self.session.connector._close()  # of a finished loop: its connections died with it
 
 
 def _describe_exc(err: BaseException) -> str:
@@ -86,7 +142,8 @@ def _describe_exc(err: BaseException) -> str:
 
 class ToolClient:
     """Talks to one tool server. Safe to share between many concurrent episodes (of one event loop; a client
-    used from a new event loop opens a new session there: aiohttp sessions belong to one loop)."""
+    used from a new event loop opens a new pool there and closes the previous loop's: connections belong to one
+    loop)."""
 
     def __init__(
         self,
@@ -103,69 +160,34 @@ class ToolClient:
         self.backoff_s = backoff_s
         self.max_connections = max_connections
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: Http1Pool | _AiohttpTransport | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
-        self._urls: dict[str, URL] = {}
 
-    def _http(self) -> aiohttp.ClientSession:
+    def _transport(self) -> Http1Pool | _AiohttpTransport:
         loop = asyncio.get_running_loop()
-        if self._loop is not loop or self._session is None:
-            if self._closed:
-                raise aiohttp.ClientConnectionError("ToolClient is closed")
-            if self._session is not None and self._session.connector is not None:
-                self._session.connector._close()  # of a finished loop: its connections died with it
-            connector = aiohttp.TCPConnector(
-                limit=self.max_connections,  # one server per client: the per-host limit is the same
-                limit_per_host=self.max_connections,
-                force_close=False,
-                keepalive_timeout=4.0,  # under uvicorn's 5 s, so the client drops idle connections first
-                ttl_dns_cache=300,
-            )
-            try:  # HTTP(S)_PROXY / NO_PROXY (and the proxy's ~/.netrc login), read once as httpx did
-                proxy, proxy_auth = get_env_proxy_for_url(URL(self.base_url))
-            except LookupError:
-                proxy, proxy_auth = None, None
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                headers=self._headers,
-                timeout=_timeout(self.timeout_s),
-                raise_for_status=False,
-                # not trust_env=True: it looks the proxy up again on every request, in a worker thread
-                proxy=proxy,
-                proxy_auth=proxy_auth,
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-            self._loop = loop
-        return self._session
+        transport = self._pool
+        if self._loop is loop and transport is not None:
+            return transport
+        if self._closed:
+            raise aiohttp.ClientConnectionError("ToolClient is closed")
+        if transport is not None:
+            transport.abandon()  # of another (often finished) loop: its connections cannot serve this one
+        url = URL(self.base_url)
+        if _uses_lean_transport(url):
+            transport = Http1Pool(url, self._headers, self.max_connections, keepalive_s=KEEPALIVE_S)
+        else:
+            transport = _AiohttpTransport(self.base_url, self._headers, self.max_connections)
+        self._pool, self._loop = transport, loop
+        return transport
 
-    def _url(self, path: str) -> URL:
-        url = self._urls.get(path)
-        if url is None:
-            url = URL(self.base_url + path)
-            if len(self._urls) < 4096:
-                self._urls[path] = url
-        return url
-
-    async def _send(self, method: str, path: str, timeout_s: float | None, body: bytes | None) -> _Response:
-        """One attempt, its answer read whole."""
-        async with self._http().request(
-            method,
-            self._url(path),
-            data=body,
-            headers=_JSON_HEADERS if body is not None else None,
-            timeout=_timeout(timeout_s or self.timeout_s),  # not None: to aiohttp that is no timeout at all
-            allow_redirects=False,
-        ) as resp:
-            return _Response(resp.status, resp.headers, await resp.read())
-
-    async def _request(self, method: str, path: str, timeout_s: float | None = None, json: Any = None) -> _Response:
+    async def _request(self, method: str, path: str, timeout_s: float | None = None, json: Any = None) -> Answer:
         """Send, retrying connection errors and 5xx; returns the last response or raises the last error."""
         body = _dumps(json) if json is not None else None
         for attempt in range(self.retries + 1):
             last = attempt == self.retries
             try:
-                resp = await self._send(method, path, timeout_s, body)
+                resp = await self._transport().request(method, path, body, timeout_s or self.timeout_s)
             except _RETRYABLE_EXC:
                 if last:
                     raise
@@ -207,7 +229,7 @@ class ToolClient:
         elapsed = time.perf_counter() - start
         if resp.status_code == 200:
             try:
-                return ToolResult.model_validate_json(resp.content)
+                return _validate_result(resp.content)
             except ValueError:
                 return ToolResult.failure(f"tool server sent a malformed result for {name}", elapsed)
         return ToolResult.failure(_describe_error(name, resp), elapsed)
@@ -225,7 +247,7 @@ class ToolClient:
     async def health(self) -> dict[str, Any]:
         return (await self._checked("GET", "/health")).json()
 
-    async def _checked(self, method: str, path: str, **kw: Any) -> _Response:
+    async def _checked(self, method: str, path: str, **kw: Any) -> Answer:
         try:
             resp = await self._request(method, path, **kw)
         except _HTTP_EXC as err:
@@ -236,12 +258,12 @@ class ToolClient:
 
     async def aclose(self) -> None:
         self._closed = True
-        session, self._session = self._session, None
-        if session is not None:
+        transport, self._pool = self._pool, None
+        if transport is not None:
             if self._loop is asyncio.get_running_loop():
-                await session.close()
-            elif session.connector is not None:
-                session.connector._close()  # of a finished loop
+                await transport.aclose()
+            else:
+                transport.abandon()  # of another loop
 
     async def __aenter__(self) -> ToolClient:
         return self
@@ -250,6 +272,7 @@ class ToolClient:
         await self.aclose()
 
 
+_validate_result = ToolResult.__pydantic_validator__.validate_json  # model_validate_json minus its wrapper
 _encoder = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)  # compact, UTF-8, no NaN
 
 
@@ -262,7 +285,7 @@ def _call_path(name: str) -> str:
     return f"/tools/{quote(name, safe='')}/call"
 
 
-def _describe_error(name: str, resp: _Response) -> str:
+def _describe_error(name: str, resp: Answer) -> str:
     """Turn an HTTP error answer into one line the model (or a person) can act on."""
     try:
         detail = resp.json().get("detail", resp.text)
