@@ -5,7 +5,8 @@
 Each seed is one `agentrl train` of the config (sequentially: they share the machine) with its own RL seed and its
 own draw of held-out levels (`validation.seed_start`), all from one warm start: `trainer.sft.cache` makes the first
 run save it and the others reuse it. Prints JSON: per seed the held-out greedy success before RL and at every
-validation, the sampled success of the first and last training batches, RL wall minutes and the median RL step;
+validation, the sampled success (and tool calls per episode, for envs with tools) of the first and last training
+batches, RL wall minutes and the median RL step;
 then the mean and standard deviation of the gain over seeds. key=value overrides apply to every seed.
 """
 
@@ -49,6 +50,8 @@ def summarize(run_dir: Path, seed: int, wall_s: float) -> dict[str, Any]:
     first_val_time = next((r["time"] for r in rows if "val/success" in r and r["step"] == 0), steps[0]["time"])
     train_s = [r["timing/train"] for r in steps if "timing/train" in r]
     sampled = [r["episode/success"] for r in steps if "episode/success" in r]
+    calls = [[v for key, v in r.items() if key.startswith("env/") and key.endswith("/tool_calls")] for r in steps]
+    tools = [statistics.mean(c) for c in calls if c]  # per batch, over env tags that call tools
     k = max(1, min(5, len(sampled) // 4))  # a few batches at each end: one batch is noisy
     before, after = val.get(0), val[max(val)] if val else None
     return {
@@ -60,6 +63,8 @@ def summarize(run_dir: Path, seed: int, wall_s: float) -> dict[str, Any]:
         "best": max(val.values()) if val else None,
         "sampled_success_first": statistics.mean(sampled[:k]) if sampled else None,
         "sampled_success_last": statistics.mean(sampled[-k:]) if sampled else None,
+        "tool_calls_per_episode_first": statistics.mean(tools[:k]) if tools else None,
+        "tool_calls_per_episode_last": statistics.mean(tools[-k:]) if tools else None,
         "warm_start_cached": bool(warm.get("sft/cached")),
         "warm_start_s": warm.get("sft/seconds"),
         "rl_wall_minutes": (steps[-1]["time"] - first_val_time) / 60,
