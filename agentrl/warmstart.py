@@ -10,6 +10,7 @@ import asyncio
 import functools
 import hashlib
 import json
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from agentrl.types import Sample, group_id_for
 
 DEMO_SEED_OFFSET = 2_000_000  # disjoint from training (0...) and validation (validation.seed_start...) seeds
 DEMO_FORMAT = 2  # part of the warm-start cache key: 2 runs tool calls (1 stepped the env with them)
+NOISE_SEED = 7_919  # the random moves of trainer.sft.expert_noise: one stream per demo episode
 
 
 class Demos(list[Sample]):
@@ -88,6 +90,7 @@ class _Demo:
         obs, _ = env.reset(seed=DEMO_SEED_OFFSET + spec.seed_start + i)
         messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
         turn_starts, calls_left = [1], self.cfg.tools.max_calls_per_episode
+        noise, rng = self.cfg.trainer.sft.expert_noise, random.Random(NOISE_SEED * (i + 1))
         samples: list[Sample] = []
         if self.box is not None:
             await self.box.open_session(episode_id)
@@ -96,7 +99,10 @@ class _Demo:
                 action = env.expert_action()
                 if action is None:
                     break
-                samples.append(self._sample(self._prompt(messages, turn_starts, turn), action, episode_id))
+                if noise and self.box is None and rng.random() < noise:
+                    action = env.random_action(rng)  # a mistake to recover from: played, not trained on
+                else:
+                    samples.append(self._sample(self._prompt(messages, turn_starts, turn), action, episode_id))
                 messages.append({"role": "assistant", "content": action})
                 calls = self.parse(action) if self.box is not None else []
                 if calls:

@@ -102,7 +102,7 @@ class TextEnv(gym.Env[str, str]):
         raise NotImplementedError
 
     def _expert_move(self) -> str | None:
-        """The canonical action an expert takes now; None if the env has no expert."""
+        """The canonical action an expert takes now; None if the env has no expert (or none from here)."""
         return None
 
     # ---- the contract ---------------------------------------------------------------------------------

@@ -83,7 +83,16 @@ def test_custom_answer_pattern_and_several_actions_per_turn() -> None:
     assert obs == "######\n#__P√#\n######"
     assert terminated and info["actions"] == ["Right", "Right"]  # only the first 2 count
     assert reward == pytest.approx(2 * -0.1 + 1 + 10)
-    assert env.expert_action() is not None and env.parser.parse(env.random_action(random.Random(0)))
+    assert env.expert_action() is None  # solved: no move left to teach
+    assert env.parser.parse(env.random_action(random.Random(0)))
+    env.reset(options={"grid": "######\n#PX_O#\n######"})
+    assert env.expert_action() == "Action: Right"
+
+
+def test_expert_gives_up_in_a_dead_position() -> None:
+    env = make()
+    env.reset(options={"grid": "#####\n#P_O#\n#__X#\n#####"})  # the box sits in a corner off the target
+    assert env.expert_action() is None
 
 
 def test_truncation_at_max_steps() -> None:
@@ -150,3 +159,32 @@ def test_random_play_keeps_the_board_consistent(seed: int, moves: list[str]) -> 
         assert reward in {-0.1, 0.9, -1.1, 10.9}
         if terminated:
             break
+
+
+def test_mark_revisits_counts_each_shown_position() -> None:
+    """A blocked move or a step back shows the same grid again, marked with how often it was shown; render()
+    and a new episode do not count."""
+    env = make(mark_revisits=True)
+    grid = "#####\n#P__#\n#_X_#\n#_#O#\n#####"
+    obs, _ = env.reset(options={"grid": grid})
+    assert obs == grid and env.render() is None
+    obs, *_ = env.step("<answer>Up</answer>")  # into the wall: the same position again
+    assert obs == f"{grid}\n(visit 2)"
+    obs, *_ = env.step("<answer>Right</answer>")
+    assert obs == "#####\n#_P_#\n#_X_#\n#_#O#\n#####"
+    obs, *_ = env.step("<answer>Left</answer>")  # back
+    assert obs == f"{grid}\n(visit 3)"
+    obs, *_ = env.step("<answer>nonsense</answer>")  # an unparsable turn is shown again too
+    assert obs == f"{grid}\n(visit 4)"
+    assert parse_grid(obs) == env.state  # the mark is not part of the grid
+    assert env.reset(options={"grid": grid})[0] == grid
+    assert make().reset(options={"grid": grid})[0] == grid  # off by default
+
+
+def test_mark_revisits_render_does_not_count() -> None:
+    env = make(mark_revisits=True, render_mode="ansi")
+    grid = "#####\n#P__#\n#_X_#\n#_#O#\n#####"
+    env.reset(options={"grid": grid})
+    assert env.render() == env.render() == grid
+    env.step("<answer>Up</answer>")
+    assert env.render() == env.render() == f"{grid}\n(visit 2)"

@@ -17,6 +17,7 @@ from agentrl.envmanager.chat import ChatTokens
 from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.manager import build_toolboxes
 from agentrl.envs import make_env
+from agentrl.envs.sokoban import parse_grid, render, solve
 from agentrl.tools.parsers import parse_tool_calls
 from agentrl.types import EpisodeSpec, GenOutput
 from agentrl.warmstart import DEMO_SEED_OFFSET, expert_samples
@@ -87,3 +88,39 @@ def test_tool_demos_match_the_policys_own_turns(tiny_model_path: str, sample_mod
         text = tokenizer.decode(mine[1].token_ids)
         assert "<tool_response>" in text and '"name": "calculator"' in text  # result read back, schema shown
         assert ep.task["ground_truth"] in tokenizer.decode(mine[1].token_ids[mine[1].loss_mask.index(1) :])
+
+
+def test_expert_noise_demos_show_recoveries_and_never_train_on_the_random_moves(tiny_model_path: str) -> None:
+    """With trainer.sft.expert_noise, some demo turns play a random move: none of them is a sample, and the
+    samples after one are the expert recovering from where the mistake left it (here: revisited positions)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    sokoban = {"env_id": "agentrl/SimpleSokoban-v0", "kwargs": {"mark_revisits": True}}
+    cfg = Config.model_validate({"envs": {"train": {"sokoban": sokoban}, "sample_mode": "step"}})
+    clean = expert_samples(cfg, tokenizer, 40)
+    cfg.trainer.sft.expert_noise = 0.3
+    noisy = expert_samples(cfg, tokenizer, 40)
+    assert noisy.failed_episodes == clean.failed_episodes == 0
+
+    def answers_and_prompts(samples: list) -> tuple[list[str], list[str]]:
+        def text(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        cuts = [s.loss_mask.index(1) for s in samples]
+        answers = [text(s.token_ids[c:]) for s, c in zip(samples, cuts, strict=True)]
+        return answers, [text(s.token_ids[:c]) for s, c in zip(samples, cuts, strict=True)]
+
+    clean_answers, clean_prompts = answers_and_prompts(clean)
+    noisy_answers, noisy_prompts = answers_and_prompts(noisy)
+    assert not any("(visit" in p for p in clean_prompts)  # the optimal expert never comes back
+    assert sum("(visit" in p for p in noisy_prompts) >= 3  # recoveries from blocked or backward random moves
+    for samples in (clean, noisy):  # every trained answer is an optimal move from its prompt's grid
+        for sample, answer, prompt in zip(samples, *answers_and_prompts(samples), strict=True):
+            state = parse_grid(prompt.split("user\n")[-1])
+            env = make_env("agentrl/Sokoban-v0")
+            env.reset(options={"grid": render(state)})
+            env.step(answer)
+            assert len(solve(env.state)) == len(solve(state)) - 1, (sample.episode_id, prompt, answer)
+    assert expert_samples(cfg, tokenizer, 40) == noisy  # seeded: the same demos every time
+    assert clean_answers != noisy_answers

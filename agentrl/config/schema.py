@@ -245,6 +245,13 @@ class SFTConfig(Section):
     steps: int = Field(200, ge=0)
     batch_size: PositiveInt = 64
     lr: PositiveFloat = 1e-3
+    expert_noise: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="chance that a demo turn takes a random move instead of the expert's (not trained on), so the "
+        "demos also show the expert recovering from mistakes (DART); envs without tools only",
+    )
     cache: bool = Field(
         False,
         description="reuse the warm start of an earlier run with the same model, train envs and SFT settings "

@@ -14,7 +14,10 @@ _ACTION_BY_NAME = {a.lower(): a for a in ACTIONS}
 
 
 class SokobanEnv(TextEnv):
-    """Push every box onto a target. Observation: the grid only (short prompts suit tiny models).
+    """Push every box onto a target. Observation: the grid only (short prompts suit tiny models), and with
+    `mark_revisits` a line "(visit k)" under a position shown for the k-th time this episode: a policy that sees
+    only the grid is Markov, so once greedy play revisits a position (a move into a wall, a step back and forth)
+    it loops until the turn limit; the mark makes the repeated prompt differ, so the policy can learn to leave.
 
     Rewards: `step_penalty` (-0.1) per move, +1 for a box onto a target, -1 for a box off one, +10 when
     solved; unparsable output adds `format_penalty` and moves nothing. Levels come from reverse play
@@ -36,6 +39,7 @@ class SokobanEnv(TextEnv):
         step_penalty: float = -0.1,
         box_on_target_reward: float = 1.0,
         solve_reward: float = 10.0,
+        mark_revisits: bool = False,
         **text_kwargs: Any,
     ) -> None:
         super().__init__(max_steps=max_steps, **text_kwargs)
@@ -51,6 +55,9 @@ class SokobanEnv(TextEnv):
         self.step_penalty = float(step_penalty)
         self.box_on_target_reward = float(box_on_target_reward)
         self.solve_reward = float(solve_reward)
+        self.mark_revisits = bool(mark_revisits)
+        self._visits: dict[tuple[int, frozenset[int]], int] = {}
+        self._counted_turn = -1
         self._plan: list[str] = []
         self._plan_key: tuple[int, frozenset[int]] | None = None
 
@@ -67,7 +74,14 @@ class SokobanEnv(TextEnv):
         )
 
     def _observation(self) -> str:
-        return render(self.state, self.symbols)
+        grid = render(self.state, self.symbols)
+        if not self.mark_revisits:
+            return grid
+        if self._counted_turn != self.turns:  # once per turn: render() on the same turn does not count again
+            self._counted_turn = self.turns
+            self._visits[self._key()] = self._visits.get(self._key(), 0) + 1
+        visits = self._visits[self._key()]
+        return grid if visits == 1 else f"{grid}\n(visit {visits})"
 
     # ---- dynamics -------------------------------------------------------------------------------------
     @property
@@ -90,6 +104,7 @@ class SokobanEnv(TextEnv):
         self._plan, self._plan_key = list(level.solution), self._key()
         self._optimal = None if solution is None else len(solution)
         self._boxes_off_target = len(s.boxes - s.targets)
+        self._visits, self._counted_turn = {}, -1
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         obs, info = super().reset(seed=seed, options=options)
@@ -131,14 +146,12 @@ class SokobanEnv(TextEnv):
 
     # ---- agents ---------------------------------------------------------------------------------------
     def _expert_move(self) -> str | None:
-        """Next move of a BFS-optimal plan (re-planned only after the agent leaves the plan).
-
-        In a dead position (no plan exists) the expert still answers, with "Up", so callers always get text.
-        """
+        """Next move of a BFS-optimal plan (re-planned only after the agent leaves the plan); None in a dead
+        position (a box stuck where no plan exists) or a solved one: there is no move to teach there."""
         key = self._key()
         if key != self._plan_key:
             self._plan, self._plan_key = solve(self.state) or [], key
-        return self._plan[0] if self._plan else ACTIONS[0]
+        return self._plan[0] if self._plan else None
 
     def _random_move(self, rng: random.Random) -> str:
         return rng.choice(ACTIONS)
