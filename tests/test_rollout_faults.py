@@ -14,7 +14,9 @@ import pytest
 
 from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import EngineDeadError, RetryableEngineError
+from agentrl.rollout.engine_client import EngineClient
 from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.partial import generate_resumable
 from agentrl.rollout.router import Router, fleet_metrics
 from agentrl.types import GenOutput
 
@@ -37,6 +39,7 @@ class FakeEngine:
         self.health_mode = "ok"  # "ok" | "not-ok" | "hang"
         self.weights: tuple[str, int] | None = None
         self.generated = 0
+        self.hang_generate = False
 
     async def start(self) -> dict:
         if self.fail_start:
@@ -46,6 +49,8 @@ class FakeEngine:
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         if self.core_dead:
             raise EngineDeadError("fake engine core died")
+        if self.hang_generate:
+            await asyncio.sleep(3600)
         self.generated += 1
         return GenOutput([1], [-0.5], "stop", self.weights[1] if self.weights else 0)
 
@@ -72,6 +77,9 @@ class FakeEngine:
 
     async def set_health(self, mode: str) -> None:
         self.health_mode = mode
+
+    async def set_hang_generate(self, hang: bool) -> None:
+        self.hang_generate = hang
 
     async def loaded(self) -> tuple[str, int] | None:
         return self.weights
@@ -222,6 +230,77 @@ async def test_fake_stuck_engine_is_restarted_after_stuck_checks(ray_session):
     status, events = await _until(router, lambda s: s["restarts"] == 1, 20)
     assert (status["live"], status["deaths"], status["restarts"]) == (2, 1, 1), events
     assert "stuck: 2 failed health checks" in events[1] and "restarting (1/1)" in events[1], events
+
+
+# ---- the env managers' direct path (EngineClient: turns go to the leased engine, not through the router) -------
+
+
+async def _generated(engines: list) -> list[int]:
+    return [(await e.stats.remote())["generated"] for e in engines]
+
+
+async def test_fake_direct_turns_stick_to_one_engine_and_spread_by_episode(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines)
+    client = EngineClient(router, poll_s=0.05)
+    outs = [await client.generate(f"e{i % 4}", PROMPT, QUICK, f"r{i}") for i in range(12)]
+    used = {f"e{i}": {o.engine for o in outs[i::4]} for i in range(4)}
+    assert all(len(u) == 1 for u in used.values()), used  # sticky: an episode's turns reuse its prefix cache
+    assert sorted(await _generated(engines)) == [6, 6]  # 4 episodes placed 2 and 2
+    for i in range(4):
+        client.release(f"e{i}")
+    await client.close()
+
+
+async def test_fake_direct_call_reports_a_dead_core_and_the_retry_lands_elsewhere(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, health_interval_s=60.0)  # only the client's report can find it
+    client = EngineClient(router, poll_s=0.05)
+    first = await client.generate("ep", PROMPT, QUICK, "r0")
+    await engines[first.engine].break_core.remote()
+    with pytest.raises(RetryableEngineError, match="died"):
+        await client.generate("ep", PROMPT, QUICK, "r1")
+    status, events = await _until(router, lambda s: s["deaths"] == 1, 5)
+    assert status["live"] == 1 and "fake engine core died" in events[0], events
+    again = await generate_resumable(lambda ids, s, rid: client.generate("ep", ids, s, rid), PROMPT, QUICK, "r2")
+    assert again.token_ids == [1] and (await router.sticky_engine.remote("ep")) == 1 - first.engine
+    await client.close()
+
+
+async def test_fake_direct_call_to_an_engine_the_router_drains_fails_instead_of_hanging(ray_session):
+    """The engine hangs mid-request and stops answering health checks: the router drains it, and the client's
+    waiting call fails within a poll (its retry goes to the live engine), long before the request timeout."""
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, stuck_checks=1000, health_timeout_s=0.5)
+    client = EngineClient(router, poll_s=0.05, request_timeout_s=600)
+    first = await client.generate("ep", PROMPT, QUICK, "r0")
+    stuck = engines[first.engine]
+    await stuck.set_hang_generate.remote(True)
+    waiting = asyncio.ensure_future(client.generate("ep", PROMPT, QUICK, "r1"))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await stuck.set_health.remote("hang")
+    t0 = time.monotonic()
+    with pytest.raises(RetryableEngineError, match="drained"):
+        await asyncio.wait_for(waiting, 20)
+    assert time.monotonic() - t0 < 10
+    out = await client.generate("ep", PROMPT, QUICK, "r2")
+    assert out.engine == 1 - first.engine
+    await client.close()
+
+
+async def test_fake_direct_call_to_a_killed_actor_is_retryable_and_counted(ray_session):
+    engines = _fakes(ray_session, 2)
+    router = _router(ray_session, engines, health_interval_s=60.0)
+    client = EngineClient(router, poll_s=0.05)
+    first = await client.generate("ep", PROMPT, QUICK, "r0")
+    ray_session.kill(engines[first.engine])
+    with pytest.raises(RetryableEngineError):
+        await client.generate("ep", PROMPT, QUICK, "r1")
+    status, _ = await _until(router, lambda s: s["deaths"] == 1, 5)
+    assert status["live"] == 1
+    assert (await client.generate("ep", PROMPT, QUICK, "r2")).engine == 1 - first.engine
+    await client.close()
 
 
 # ---- real vLLM -----------------------------------------------------------------------------------------------

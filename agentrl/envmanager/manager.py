@@ -18,6 +18,7 @@ from typing import Any
 from agentrl.config.schema import Config, EnvConfig, SamplingConfig
 from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import episode_metrics, to_samples
+from agentrl.rollout.engine_client import EngineClient
 from agentrl.types import Episode, EpisodeSpec, GenOutput, Group
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class EnvManager:
         configure_cpu_threads(1)
         self.cfg = cfg
         self.index = index
-        self.router = router
+        self.engines = EngineClient(router, request_timeout_s=cfg.rollout.request_timeout_s)  # turns skip the router
         self.reward_pool = reward_pool
         self.log_failure = FirstOfKind(f"env manager {index}")
         from agentrl.models.tiny import resolve_model_path  # a hub id: a snapshot in this node's HF cache
@@ -108,7 +109,7 @@ class EnvManager:
         )
 
     async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
-        return await self.router.generate.remote(episode_id, ids, sampling, rid)
+        return await self.engines.generate(episode_id, ids, sampling, rid)
 
     async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> Group:
         """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples."""
@@ -118,7 +119,7 @@ class EnvManager:
         episodes = await asyncio.gather(*(self.runner.run(spec) for spec in specs))
         group = Group(tag=tag, seed=seed, split=split)
         for ep in episodes:
-            self.router.release.remote(ep.episode_id)
+            self.engines.release(ep.episode_id)
             if ep.failed:
                 group.failures.append(f"{ep.episode_id}: {ep.error}")
                 self.log_failure(f"episode {ep.episode_id} ({ep.env_id})", ep.error or "")
@@ -148,7 +149,7 @@ class EnvManager:
     async def run_episode(self, spec: EpisodeSpec) -> dict[str, Any]:
         """One episode as a plain dict (for `agentrl rollout` and debugging)."""
         ep = await self.runner.run(spec)
-        self.router.release.remote(spec.episode_id)
+        self.engines.release(spec.episode_id)
         data = asdict(ep)
         data["text"] = self.runner.tokenizer.decode(ep.token_ids)
         return data

@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,6 +24,16 @@ WeightSource = str | dict[str, Any]
 """Where new weights come from: a safetensors folder (rollout.weight_sync=disk), or a collective broadcast:
 {"group": SyncGroup fields, "first_rank": this engine's first rank in it, "metas": [(name, shape, dtype)],
 "bucket_bytes": int} (the router fills in first_rank per engine)."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """An episode's engine as the router placed it, for a direct client. `generation` (engine serial, drains so
+    far) changes whenever the router drains or replaces that engine: a lease of an older generation is void."""
+
+    index: int
+    generation: tuple[int, int]
+    handle: Any = field(compare=False)
 
 
 class EngineError(RuntimeError):

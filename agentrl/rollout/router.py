@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.config.schema import SamplingConfig
-from agentrl.rollout.base import DrainMode, EngineError, RetryableEngineError, WeightSource
+from agentrl.rollout.base import DrainMode, EngineError, Lease, RetryableEngineError, WeightSource
 from agentrl.types import GenOutput
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,12 @@ class _Slot:
     restarting: bool = False
     loaded: int = 0  # the weight update (router count) it holds; -1: none yet, it waits for the next sync
     serial: int = 0  # which engine this is (a restart makes a new one): the weight-sync group is rebuilt for it
+    drains: int = 0  # times drained: with `serial`, the generation that voids the direct clients' older leases
+    episodes: int = 0  # episodes placed here and not yet released (direct clients' turns are not in in_flight)
+
+    @property
+    def generation(self) -> tuple[int, int]:
+        return (self.serial, self.drains)
 
 
 def _is_actor_death(err: BaseException) -> bool:
@@ -67,7 +73,21 @@ def _is_core_death(err: BaseException) -> bool:
     return False
 
 
-def _short(err: BaseException) -> str:
+def is_engine_death(err: BaseException) -> bool:
+    """The engine will never answer again: its actor or its core died."""
+    return _is_actor_death(err) or _is_core_death(err)
+
+
+def as_engine_error(index: int, err: Exception) -> EngineError:
+    """What a failed engine call raises to its caller (other than a death): the engine's own EngineError, or one
+    naming the engine."""
+    if isinstance(err, EngineError):
+        return err
+    cause = getattr(err, "cause", None)
+    return cause if isinstance(cause, EngineError) else EngineError(f"engine {index}: {err}")
+
+
+def short_error(err: BaseException) -> str:
     """One line for an event: the cause's type and first message line (Ray's own str is a whole traceback)."""
     cause = getattr(err, "cause", None) or err
     lines = str(cause).strip().splitlines()
@@ -145,8 +165,9 @@ class Router:
         live = self._live()
         if not live:
             return None
-        slot = min(live, key=lambda s: (s.in_flight, s.tokens_in_flight, s.index))
+        slot = min(live, key=lambda s: (s.episodes + s.in_flight, s.tokens_in_flight, s.index))
         self._sticky[episode_id] = slot.index
+        slot.episodes += 1
         return slot
 
     async def _pick_or_wait(self, episode_id: str) -> _Slot:
@@ -163,7 +184,27 @@ class Router:
 
     def release(self, episode_id: str) -> None:
         """Forget an episode's engine once it is finished."""
-        self._sticky.pop(episode_id, None)
+        index = self._sticky.pop(episode_id, None)
+        if index is not None:
+            slot = self._slots[index]
+            slot.episodes = max(0, slot.episodes - 1)
+
+    async def lease(self, episode_id: str) -> Lease:
+        """The episode's engine, for a direct client (agentrl.rollout.engine_client) to send its turns to."""
+        self._ensure_health_loop()
+        slot = await self._pick_or_wait(episode_id)
+        return Lease(slot.index, slot.generation, slot.handle)
+
+    def engine_view(self) -> dict[int, tuple[tuple[int, int], bool]]:
+        """Each engine's generation and whether it is live: what direct clients poll to void their leases."""
+        return {s.index: (s.generation, s.alive) for s in self._slots}
+
+    def report_death(self, index: int, generation: tuple[int, int], why: str) -> None:
+        """A direct client's call found the engine's actor or core dead: drain and restart it as the health loop
+        would (a late report about an engine already replaced is ignored)."""
+        slot = self._slots[index]
+        if slot.serial == generation[0]:
+            self._on_death(slot, why, gone=True, dead=True)
 
     # ---- requests --------------------------------------------------------------------------------------------
     async def generate(
@@ -195,15 +236,10 @@ class Router:
         try:
             return await getattr(slot.handle, method).remote(*args)
         except Exception as err:
-            if _is_actor_death(err) or _is_core_death(err):
-                self._on_death(slot, _short(err), gone=True, dead=True)
+            if is_engine_death(err):
+                self._on_death(slot, short_error(err), gone=True, dead=True)
                 raise RetryableEngineError(f"engine {slot.index} died") from err
-            if isinstance(err, EngineError):
-                raise
-            cause = getattr(err, "cause", None)
-            if isinstance(cause, EngineError):
-                raise cause from err
-            raise EngineError(f"engine {slot.index}: {err}") from err
+            raise as_engine_error(slot.index, err) from err
 
     # ---- liveness bookkeeping --------------------------------------------------------------------------------
     def _event(self, message: str) -> None:
@@ -225,6 +261,8 @@ class Router:
 
     def _drain(self, slot: _Slot) -> None:
         self._set_alive(slot, False)
+        slot.drains += 1
+        slot.episodes = 0
         for fut in list(slot.pending):
             fut.cancel()
         for episode, index in list(self._sticky.items()):
@@ -276,7 +314,8 @@ class Router:
                 await asyncio.wait_for(handle.start.remote(), self._start_timeout_s)
                 loaded = await self._load_latest(handle)
             except Exception as err:
-                self._event(f"rollout engine {index} restart {attempt}/{self._max_restarts} failed ({_short(err)})")
+                why = short_error(err)
+                self._event(f"rollout engine {index} restart {attempt}/{self._max_restarts} failed ({why})")
                 if handle is not None:
                     await self._kill(handle)
                 await asyncio.sleep(self._restart_backoff_s)
@@ -341,9 +380,9 @@ class Router:
         except Exception as err:
             slot.failures += 1
             if _is_actor_death(err) or _is_core_death(err):
-                self._on_death(slot, _short(err), gone=True, dead=True)
+                self._on_death(slot, short_error(err), gone=True, dead=True)
             else:
-                why = "health check timed out" if isinstance(err, TimeoutError) else _short(err)
+                why = "health check timed out" if isinstance(err, TimeoutError) else short_error(err)
                 self._on_death(slot, why, gone=False)
                 if slot.failures >= self._stuck_checks:
                     self._on_death(slot, f"stuck: {slot.failures} failed health checks", gone=True)
@@ -364,7 +403,7 @@ class Router:
         try:
             loaded = await self._load_latest(slot.handle, slot.loaded)
         except Exception as err:
-            log.warning("rollout engine %d could not rejoin: %s", slot.index, _short(err))
+            log.warning("rollout engine %d could not rejoin: %s", slot.index, short_error(err))
             return
         if self._slots[slot.index] is slot and not slot.alive and not slot.dead:
             slot.gone, slot.loaded = False, loaded
