@@ -20,6 +20,8 @@ def test_defaults_validate_and_example_loads():
     example = load_config(EXAMPLE)
     assert example.envs.train["sokoban"].env_id == "agentrl/SimpleSokoban-v0"
     assert example.async_.partial_rollout is True
+    # validation plays the prompts training sees: the same env settings (revisit marks included)
+    assert example.envs.val["sokoban"].kwargs == example.envs.train["sokoban"].kwargs == {"mark_revisits": True}
 
 
 @pytest.mark.parametrize("name", ["agentic_sokoban", "sokoban_sync", "math_tools", "sokoban_cluster", "sokoban_npu"])
