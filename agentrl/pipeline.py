@@ -356,6 +356,7 @@ class Pipeline:
 def check_run_dir_shared(run_dir: Path, trainer: TrainerGroup) -> None:
     """Every trainer rank writes its checkpoint shards under the run dir and the driver the run state beside
     them: on a cluster the folder must be one every rank's node sees, or a resume would find half a checkpoint."""
+    run_dir.mkdir(parents=True, exist_ok=True)
     sentinel = run_dir / f".visible-{uuid.uuid4().hex[:8]}"
     sentinel.write_text("agentrl run dir check\n")
     try:

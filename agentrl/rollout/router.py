@@ -379,7 +379,7 @@ class Router:
             status = await asyncio.wait_for(slot.handle.health.remote(), self._health_timeout_s)
         except Exception as err:
             slot.failures += 1
-            if _is_actor_death(err) or _is_core_death(err):
+            if is_engine_death(err):
                 self._on_death(slot, short_error(err), gone=True, dead=True)
             else:
                 why = "health check timed out" if isinstance(err, TimeoutError) else short_error(err)
