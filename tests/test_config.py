@@ -58,7 +58,7 @@ def test_typed_overrides_scalars_lists_and_nested():
     assert cfg.trainer.optim.lr == pytest.approx(1e-3)
     assert cfg.rollout.sampling.stop_token_ids == [5, 7]
     assert cfg.async_.partial_rollout is False
-    assert cfg.envs.train["sokoban"].kwargs == {"dim": [8, 8]}
+    assert cfg.envs.train["sokoban"].kwargs == {"mark_revisits": True, "dim": [8, 8]}  # added beside the example's
     assert cfg.envs.train["extra"].env_id == "agentrl/FrozenLake-v0"
 
 
