@@ -40,6 +40,7 @@ class FakeEngine:
         self.weights: tuple[str, int] | None = None
         self.generated = 0
         self.hang_generate = False
+        self.started = 0
 
     async def start(self) -> dict:
         if self.fail_start:
@@ -49,8 +50,9 @@ class FakeEngine:
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         if self.core_dead:
             raise EngineDeadError("fake engine core died")
+        self.started += 1
         if self.hang_generate:
-            await asyncio.sleep(3600)
+            await asyncio.sleep(3600)  # a hung engine (the test ends it): not a wait for a condition
         self.generated += 1
         return GenOutput([1], [-0.5], "stop", self.weights[1] if self.weights else 0)
 
@@ -70,7 +72,7 @@ class FakeEngine:
     async def resume(self) -> None: ...
 
     async def stats(self) -> dict:
-        return {"generated": self.generated}
+        return {"generated": self.generated, "started": self.started}
 
     async def break_core(self) -> None:
         self.core_dead = True
@@ -277,7 +279,10 @@ async def test_fake_direct_call_to_an_engine_the_router_drains_fails_instead_of_
     stuck = engines[first.engine]
     await stuck.set_hang_generate.remote(True)
     waiting = asyncio.ensure_future(client.generate("ep", PROMPT, QUICK, "r1"))
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 20
+    while (await stuck.stats.remote())["started"] < 2:  # the call has reached the engine and hangs there
+        assert time.monotonic() < deadline and not waiting.done()
+        await asyncio.sleep(0.02)
     assert not waiting.done()
     await stuck.set_health.remote("hang")
     t0 = time.monotonic()
