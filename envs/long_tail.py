@@ -15,6 +15,16 @@ from typing import Any
 from agentrl.envs.base import TextEnv
 
 
+def episode_plan(
+    seed: int, median_turns: float, turns_sigma: float, max_steps: int, latency_s: float, latency_tail: float
+) -> list[float]:
+    """The latency of each step of the episode on task `seed` (its length is the list's): the episode is fixed by
+    its seed, so a benchmark can model a workload without running it."""
+    rng = random.Random(seed)
+    turns = math.ceil(rng.lognormvariate(math.log(median_turns), turns_sigma))
+    return [latency_s * rng.paretovariate(latency_tail) for _ in range(max(1, min(max_steps, turns)))]
+
+
 class LongTailEnv(TextEnv):
     def __init__(
         self,
@@ -33,18 +43,18 @@ class LongTailEnv(TextEnv):
         return "Say anything. The episode ends when it ends."
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
-        self._rng = random.Random(seed)
-        turns = math.ceil(self._rng.lognormvariate(math.log(self.median_turns), self.turns_sigma))
-        self._length = max(1, min(self.max_steps, turns))
+        self._latencies = episode_plan(
+            seed, self.median_turns, self.turns_sigma, self.max_steps, self.latency_s, self.latency_tail
+        )
 
     def _observation(self) -> str:
         return f"turn {self.turns} of ?"
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         if self.latency_s > 0:
-            time.sleep(self.latency_s * self._rng.paretovariate(self.latency_tail))
+            time.sleep(self._latencies[min(self.turns, len(self._latencies) - 1)])
         self.turns += 1
-        terminated = self.turns >= self._length
+        terminated = self.turns >= len(self._latencies)
         reward = float(len(action) % 2) if terminated else 0.0
         metrics = {"success": reward, "action_is_valid": 1.0, "action_is_effective": 1.0}
         return self._observation(), reward, terminated, False, {"metrics": metrics}

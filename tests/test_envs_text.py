@@ -147,3 +147,25 @@ def test_random_action_is_valid_and_seeded() -> None:
     a, b = random.Random(5), random.Random(5)
     texts = [env.random_action(a) for _ in range(20)]
     assert texts == [env.random_action(b) for _ in range(20)] and len(set(texts)) == 4
+
+
+def test_long_tail_episodes_follow_their_seeded_plan() -> None:
+    """A benchmark models the LongTail workload from `episode_plan`: the env must play exactly that plan."""
+    from agentrl.envs.long_tail import episode_plan
+
+    kwargs = {"median_turns": 2.0, "turns_sigma": 1.0, "max_steps": 12, "latency_s": 0.002, "latency_tail": 1.2}
+    env = agentrl.make_env("agentrl/LongTail-v0", **kwargs)
+    lengths = []
+    for seed in range(12):
+        plan = episode_plan(seed, **kwargs)
+        assert plan == episode_plan(seed, **kwargs) and all(x >= kwargs["latency_s"] for x in plan)
+        env.reset(seed=seed)
+        t0, turns, terminated = time.perf_counter(), 0, False
+        while not terminated:
+            _, _, terminated, truncated, _ = env.step("hi")
+            turns += 1
+            assert not truncated
+        assert turns == len(plan)
+        assert time.perf_counter() - t0 >= sum(plan)
+        lengths.append(turns)
+    assert len(set(lengths)) > 2 and max(lengths) <= kwargs["max_steps"]  # uneven lengths, capped
