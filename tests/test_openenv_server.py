@@ -217,3 +217,38 @@ def test_a_worker_past_its_memory_limit_is_replaced_and_its_sessions_end_clearly
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert '"event": "worker_recycled"' in err
+
+
+def test_env_kwargs_flag_is_checked_before_serving(capsys):
+    cases = {
+        "agentrl/SimpleSokoban-v0": "expected ENV_ID=JSON",
+        "agentrl/FrozenLake-v0={}": "is not served here",
+        f"{SOKOBAN}={{not json": "not JSON",
+        f"{SOKOBAN}=[1]": "expected a JSON object",
+        f'{SOKOBAN}={{"no_such_kwarg": 1}}': "no_such_kwarg",
+    }
+    for flag, message in cases.items():
+        assert main(["serve-envs", SOKOBAN, "--env-kwargs", flag]) == 2
+        assert message in capsys.readouterr().err, flag
+
+
+def test_served_env_gets_its_env_kwargs():
+    """A real `serve-envs` with --env-kwargs plays the same episode as the env made in process with those kwargs."""
+    port = free_port()
+    kwargs = {"mark_revisits": True}
+    cmd = [sys.executable, "-m", "agentrl", "serve-envs", SOKOBAN, "--port", str(port),
+           "--env-kwargs", f"{SOKOBAN}={json.dumps(kwargs)}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_healthy(proc, base)
+        remote, local = make_env("agentrl/OpenEnv-v0", url=base), make_env(SOKOBAN, **kwargs)
+        assert remote.reset(seed=3)[0] == local.reset(seed=3)[0]
+        moves = ["<answer>Up</answer>", "<answer>Down</answer>"] * 2  # back and forth: positions shown again
+        observations = [remote.step(m)[0] for m in moves]
+        assert observations == [local.step(m)[0] for m in moves]
+        assert any("(visit 2)" in obs for obs in observations)
+        remote.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

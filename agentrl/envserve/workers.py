@@ -28,6 +28,7 @@ from agentrl.envserve.server import EnvServerLimits
 @dataclass
 class PoolConfig:
     env_ids: list[str]
+    env_kwargs: dict[str, dict] = field(default_factory=dict)  # constructor kwargs per served env id
     host: str = "127.0.0.1"
     port: int = 8810
     token: str | None = None
@@ -66,7 +67,7 @@ def worker_main(cfg: PoolConfig, ready: Any) -> None:
 
     if cfg.imports:
         import_user_modules(cfg.imports)
-    app = create_app(cfg.env_ids, token=cfg.token, limits=cfg.limits)
+    app = create_app(cfg.env_ids, token=cfg.token, limits=cfg.limits, env_kwargs=cfg.env_kwargs)
     sock = _listen_socket(cfg.host, cfg.port)
     config = uvicorn.Config(
         app,
