@@ -4,8 +4,9 @@ Usage: python benchmarks/bench_scale.py [--episodes 256 1024 4096 16384] [--mana
        [--turns 8] [--seconds 6] [--max-per-manager 4096] [--profile]
 
 No model: a scripted engine actor (a `GatedEngine` whose "generation" is an asyncio sleep of `--latency-ms`, then a
-fixed answer) sits behind the real router actor, and a trivial registered text env ends after `--turns` turns. The
-env managers are real Ray actors started as `start_managers` starts them, and groups are admitted, put and taken
+fixed answer) is placed by the real router actor (one lease per episode; the turns go from the env manager to the
+engine directly, as in a run), and a trivial registered text env ends after `--turns` turns. The env managers are
+real Ray actors started as `start_managers` starts them, and groups are admitted, put and taken
 through the real `SampleBuffer` on this driver's loop, as `Pipeline.produce` does. The buffer's staleness bound
 keeps exactly `--episodes` episodes in flight.
 
