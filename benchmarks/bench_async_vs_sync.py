@@ -9,8 +9,8 @@ and, for the median round, trainer/rollout idle fractions, stage times and two b
 - bound_ceiling_ratio: a discrete-event model of the buffer's rules on the workload's own seeded episodes, with the
   sync run's stage costs in both modes (`modelled_samples_per_s`; its sync number is printed beside the measured
   one as a check). A group admitted at version v must be trained by v + max_staleness, so an episode whose env
-  latency outlasts max_staleness RL steps holds the trainer whatever the platform does: this is the most the exact
-  per-token bound allows here.
+  latency outlasts max_staleness RL steps holds the trainer unless finished work is thrown away: this is the most
+  the exact per-token bound allows here (for tasks started in the run's order).
 The default 30 steps reach the steady state; the first ~8 are dominated by every group starting at once.
 """
 
@@ -87,7 +87,7 @@ def modelled_samples_per_s(max_staleness: int, steps: int, llm_s_per_turn: float
     for its due groups) on this workload's own seeded episodes (group seeds 0, 1, ... in admission order), a turn
     costing `llm_s_per_turn` plus the env's latency and an RL step `step_s`, counted as `run_mode` counts. With
     the sync run's stage costs in both modes it is the speed-up the exact per-token bound leaves possible here:
-    a straggler admitted at version v holds the trainer at v + max_staleness whatever the platform does."""
+    a straggler admitted at version v holds the trainer at v + max_staleness unless it is thrown away."""
     batch_episodes = GROUP_SIZE * GROUPS_PER_BATCH
     now, version, started, seed = 0.0, 0, 0, 0
     running: list[tuple[float, int]] = []  # (finish time, admitted version) of running groups
