@@ -1,0 +1,102 @@
+"""How a trainer rank hands its weights to the rollout engines and the run: HF safetensors snapshots on disk
+(rollout.weight_sync=disk, cached warm starts), bucketed broadcasts over a weight-sync group
+(rollout.weight_sync=collective), and the checks that the folders involved are shared and big enough.
+
+A mixin of `TrainerRank` (the Ray actor), kept apart from the training steps; it uses the rank's `backend`,
+`model`, `tied`, `rank`, `model_path`, `_sync_groups` and `_pack_buffer`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from agentrl.trainer import weight_sync
+from agentrl.trainer.backends import ModelBackend
+from agentrl.trainer.checkpoint import copy_hf_side_files, write_safetensors
+from agentrl.weight_buckets import GroupCache, PackBuffer, SyncGroup
+
+
+class WeightPublisher:
+    backend: ModelBackend
+    model: torch.nn.Module
+    tied: bool
+    rank: int
+    model_path: str
+    _sync_groups: GroupCache
+    _pack_buffer: PackBuffer
+
+    def export_weights(self, out_dir: str, dtype: str = "float32", prune_older: bool = False) -> str:
+        """Full weights as HF-named safetensors (+ config) in `dtype`, by rank 0: what engines' reload_weights
+        read (rollout.weight_sync=disk; `prune_older` then removes the earlier `v*` snapshots beside it), or a
+        cached warm start. Collective: every rank walks the backend's gathers."""
+        cast, state = getattr(torch, dtype), {}
+        for name, t in self.backend.full_weights(self.model, self.tied):
+            if self.rank == 0:
+                state[name] = (t.to(cast) if t.is_floating_point() else t).detach().to("cpu").contiguous()
+        if self.rank == 0:
+            write_safetensors(state, out_dir)
+            if not os.path.exists(os.path.join(out_dir, "config.json")):
+                copy_hf_side_files(self.model_path, out_dir)
+            if prune_older:
+                _remove_older_snapshots(out_dir)
+        dist.barrier()
+        return out_dir
+
+    def write_sentinel(self, path: str, dtype: str) -> None:
+        """Rank 0 writes a file the engines must then read (is the weights dir shared with them?) and checks the
+        folder has room for two snapshots (a container's 64 MB /dev/shm passes an is_dir check, then fails)."""
+        if self.rank != 0:
+            return
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        weights = sum(math.prod(shape) for _, shape, _ in self.backend.weight_metas(self.model, self.tied))
+        need = 2 * weights * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        free = shutil.disk_usage(folder).free
+        if free < need:
+            raise RuntimeError(
+                f"{folder} has {free / 2**20:.0f} MiB free and two weight snapshots need {need / 2**20:.0f} MiB: "
+                "set rollout.weights_dir to a bigger folder every node sees, or use rollout.weight_sync: collective"
+            )
+        with open(path, "w") as f:
+            f.write("agentrl weights_dir check\n")
+
+    @staticmethod
+    def can_read(path: str) -> bool:
+        """Whether this rank's node sees `path` (the shared run dir check)."""
+        return os.path.exists(path)
+
+    def remove_path(self, path: str) -> None:
+        """Rank 0 removes a file or folder it wrote on its node (snapshots, the sentinel)."""
+        if self.rank == 0:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                os.remove(path)
+
+    def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
+        """Names, full shapes and dtypes of what `broadcast_weights` sends, as plain values (engines receive them
+        through vLLM's RPC): the receivers allocate from them."""
+        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        return [(m.name, list(m.shape), m.dtype) for m in metas]
+
+    def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int) -> int:
+        """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
+        (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
+        Returns the bytes sent (rank 0)."""
+        group = self._sync_groups.get(SyncGroup(**where), rank=0) if self.rank == 0 else None
+        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        full = self.backend.full_weights(self.model, self.tied)
+        return weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer)
+
+
+def _remove_older_snapshots(current: str) -> None:
+    """The writer cleans up: once `current` is written, earlier snapshots beside it are no longer read."""
+    parent, name = os.path.split(os.path.normpath(current))
+    for other in os.listdir(parent):
+        if other != name and other.startswith("v"):
+            shutil.rmtree(os.path.join(parent, other), ignore_errors=True)
