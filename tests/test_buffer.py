@@ -188,6 +188,17 @@ async def test_every_episode_failing_in_consecutive_groups_stops_with_the_first_
         await asyncio.wait_for(waiting, 1)
 
 
+async def test_failures_landing_after_the_stop_keep_its_message() -> None:
+    """Groups that fail between the stop and the trainer's wake-up must not reword the reason (CI saw "last 4")."""
+    buf = SampleBuffer(batch_groups=2, batch_episodes=4, max_staleness=0, stop_after_failed_groups=2)
+    run = Producer(buf)
+    for i in range(3):
+        await run.admit(1)
+        await run.put(i, Group(tag="t", seed=i, failures=[f"e{i}/0: boom", f"e{i}/1: boom"]))
+    with pytest.raises(RolloutStalled, match="every episode of the last 2 groups failed; the first: e0/0: boom"):
+        await asyncio.wait_for(buf.get_batch(), 1)
+
+
 async def test_stall_wakes_a_waiting_trainer() -> None:
     buf = SampleBuffer(batch_groups=2, batch_episodes=4, max_staleness=0)
     waiting = asyncio.ensure_future(buf.get_batch())
