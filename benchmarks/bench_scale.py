@@ -47,6 +47,7 @@ from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import worker_env
 from agentrl.rollout.base import Completion, GatedEngine, WeightSource
 from agentrl.rollout.router import Router
+from agentrl.rollout.turn_mailbox import TurnMailbox
 from agentrl.types import Group
 
 ENV_ID = "bench/CountTurns-v0"
@@ -80,7 +81,7 @@ def _register() -> None:
     register_env(ENV_ID, CountTurnsEnv)
 
 
-class ScriptedEngine(GatedEngine):
+class ScriptedEngine(TurnMailbox, GatedEngine):
     """The rollout-engine contract with no model: every request sleeps `latency_s`, then returns `answer`."""
 
     def __init__(self, answer: list[int], latency_s: float):

@@ -18,6 +18,7 @@ from agentrl.rollout.engine_client import EngineClient
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
 from agentrl.rollout.router import Router, fleet_metrics
+from agentrl.rollout.turn_mailbox import TurnMailbox
 from agentrl.types import GenOutput
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -29,9 +30,10 @@ class VLLM:
         """Stands in for vllm.v1.engine.exceptions.EngineDeadError, which the router matches by name."""
 
 
-class FakeEngine:
-    """A fake engine: no model, one token per request. `break_core()` makes it answer like a vLLM engine whose
-    core died, `set_health()` makes health checks fail or hang."""
+class FakeEngine(TurnMailbox):
+    """A fake engine: no model, one token per request (the real TurnMailbox batches its direct turns).
+    `break_core()` makes it answer like a vLLM engine whose core died, `set_health()` makes health checks fail or
+    hang."""
 
     def __init__(self, fail_start: bool = False) -> None:
         self.fail_start = fail_start
@@ -251,6 +253,48 @@ async def test_fake_direct_turns_stick_to_one_engine_and_spread_by_episode(ray_s
     assert sorted(await _generated(engines)) == [6, 6]  # 4 episodes placed 2 and 2
     for i in range(4):
         client.release(f"e{i}")
+    await client.close()
+
+
+class CountingEngine(FakeEngine):
+    """Counts `submit` calls; a prompt starting with 99 takes 3 s, every other one answers at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.submits = 0
+
+    async def submit(self, client: str, requests: list) -> None:
+        self.submits += 1
+        await super().submit(client, requests)
+
+    async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
+        if token_ids[0] == 99:
+            await asyncio.sleep(3)  # a long generation, as a long answer would take
+        return await super().generate(token_ids, sampling, request_id)
+
+    async def stats(self) -> dict:
+        return {**await super().stats(), "submits": self.submits}
+
+
+async def test_direct_turns_share_ray_calls_and_a_slow_turn_holds_no_other(ray_session):
+    """64 episodes' turns at once go to the engine in a few calls (one Ray call per turn cost ~1.5 ms of CPU),
+    and each comes back when done: the 63 quick ones do not wait for the slow one."""
+    engine = ray_session.remote(CountingEngine).options(num_cpus=0).remote()
+    _made.append(engine)
+    client = EngineClient(_router(ray_session, [engine]), poll_s=0.05)
+    await asyncio.gather(*(client.generate(f"e{i}", PROMPT, QUICK, f"warm{i}") for i in range(64)))  # leases
+    before = (await engine.stats.remote())["submits"]
+    done: dict[int, float] = {}
+
+    async def turn(i: int) -> None:
+        await client.generate(f"e{i}", ([99] if i == 0 else []) + PROMPT, QUICK, f"r{i}")
+        done[i] = time.monotonic()
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(turn(i) for i in range(64)))
+    submits = (await engine.stats.remote())["submits"] - before
+    assert submits <= 4, submits
+    assert done[0] - t0 >= 3 and max(t for i, t in done.items() if i) - t0 < 2, done
     await client.close()
 
 

@@ -17,6 +17,10 @@ from typing import Any
 _PLACEHOLDER = "\x00AGENTRL_TURN\x00"
 _RECHECK_EVERY = 256  # a spliced delta is compared with a real render this often (and on each key's first uses)
 _FIRST_CHECKS = 4
+# Encoded texts remembered. Step-wise prompts repeat (every turn starts with the rules, a group's episodes revisit
+# states): a 128-episode Sokoban batch held 1,433 turns but 201 distinct prompts, and encoding was a sixth of the
+# env manager's CPU. Cleared when full: no bookkeeping per hit.
+_ENCODED_TEXTS = 4096
 # Contents that make a template that trims, escapes or branches on content render differently from a splice.
 _PROBES = (' \n<tool_response>\n{"a": 1}\n</tool_response>\n ', "x")
 
@@ -38,6 +42,7 @@ class ChatTokens:
         self._eos_text = tokenizer.eos_token or ""
         self._splices: dict[tuple[str, ...], list[str] | None] = {}  # roles -> fixed texts around the contents
         self._uses: dict[tuple[str, ...], int] = {}
+        self._encoded: dict[str, tuple[int, ...]] = {}
         self._fast = self._fast_encoder()
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -73,6 +78,14 @@ class ChatTokens:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
     def encode(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= _ENCODED_TEXTS:
+                self._encoded.clear()
+            ids = self._encoded[text] = tuple(self._encode(text))
+        return list(ids)
+
+    def _encode(self, text: str) -> list[int]:
         if self._fast is not None and self._fast_ok(self._fast):
             return self._fast.encode(text, add_special_tokens=False).ids
         return self._slow_encode(text)

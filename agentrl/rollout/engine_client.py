@@ -1,27 +1,101 @@
-"""The env managers' path to the engines: one Ray call per model turn, straight to the episode's engine.
+"""The env managers' path to the engines: turns go straight to the episode's engine, many per Ray call.
 
 The router places each episode once (`Router.lease`: sticky, least-loaded) and keeps health, drain, restarts and
 weight updates; the turns then go from the env manager to that engine directly, instead of through the router
-(two Ray hops per turn, and the router's process busy with every token list: a third of the platform's CPU per
-turn on a 2-core machine). Faults keep the router's rules:
+(two Ray hops per turn, and the router's process busy with every token list). Per engine, the client keeps one
+`_Channel`: turns queued while a `submit` call is under way go together in the next one, and one `collect` call at
+a time brings back every turn finished meanwhile (`agentrl.rollout.turn_mailbox`, the engine's side). Faults keep
+the router's rules:
 
 - a dead actor or core found by a call is reported to the router (`report_death`), which drains and restarts
-  it like one its own health loop found; the call fails with RetryableEngineError, and the retry is placed anew;
-- the client polls the router's view of the fleet (`engine_view`, every `poll_s`): a call to an engine that was
+  it like one its own health loop found; the turn fails with RetryableEngineError, and the retry is placed anew;
+- the client polls the router's view of the fleet (`engine_view`, every `poll_s`): a turn on an engine that was
   drained meanwhile (stuck, failed health checks, replaced) fails with RetryableEngineError at once, never hangs;
-- a call still running after `request_timeout_s` fails with RetryableEngineError, as through the router.
+- a turn still running after `request_timeout_s` fails with RetryableEngineError, as through the router; a turn
+  the client stops waiting for is cancelled on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from typing import Any
 
 from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import Lease, RetryableEngineError
 from agentrl.rollout.router import as_engine_error, is_engine_death, short_error
+from agentrl.rollout.turn_mailbox import TurnRequest
 from agentrl.types import GenOutput
+
+COLLECT_WAIT_S = 1.0  # a collect call returns empty after this long: the channel notices when it has no turn left
+
+
+class _Channel:
+    """One engine as this client sees it: turns queued for the next `submit`, futures awaiting their result."""
+
+    def __init__(self, client: str, lease: Lease) -> None:
+        self.client, self.handle = client, lease.handle
+        self.waiting: dict[str, asyncio.Future] = {}
+        self.queued: list[TurnRequest] = []
+        self.sender: asyncio.Task | None = None
+        self.collector: asyncio.Task | None = None
+
+    def send(self, rid: str, token_ids: list[int], sampling: SamplingConfig) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[rid] = fut
+        self.queued.append((rid, token_ids, sampling))
+        if self.sender is None or self.sender.done():
+            self.sender = asyncio.ensure_future(self._submit())
+        if self.collector is None or self.collector.done():
+            self.collector = asyncio.ensure_future(self._collect())
+        return fut
+
+    def forget(self, rid: str) -> None:
+        """The caller stopped waiting (timeout, drain, cancellation): stop the request on the engine too."""
+        fut = self.waiting.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.cancel()
+        self.handle.cancel.remote(self.client, [rid])
+
+    def close(self) -> None:
+        for fut in self.waiting.values():
+            fut.cancel()
+        self.waiting.clear()
+        for task in (self.sender, self.collector):
+            if task is not None:
+                task.cancel()
+
+    async def _submit(self) -> None:
+        await asyncio.sleep(0)  # turns queued in this turn of the event loop go in the same call
+        while self.queued:
+            batch, self.queued = self.queued, []
+            try:
+                await self.handle.submit.remote(self.client, batch)
+            except Exception as err:
+                self._fail([rid for rid, _, _ in batch], err)
+
+    async def _collect(self) -> None:
+        while self.waiting:
+            try:
+                results = await self.handle.collect.remote(self.client, COLLECT_WAIT_S)
+            except Exception as err:
+                self._fail(list(self.waiting), err)
+                return
+            for rid, result in results:
+                fut = self.waiting.pop(rid, None)
+                if fut is None or fut.done():
+                    continue
+                if isinstance(result, BaseException):
+                    fut.set_exception(result)
+                else:
+                    fut.set_result(result)
+
+    def _fail(self, rids: list[str], err: Exception) -> None:
+        for rid in rids:
+            fut = self.waiting.pop(rid, None)
+            if fut is not None and not fut.done():
+                fut.set_exception(err)
 
 
 class EngineClient:
@@ -29,35 +103,34 @@ class EngineClient:
         self.router = router
         self.request_timeout_s = request_timeout_s
         self.poll_s = poll_s
+        self._id = uuid.uuid4().hex  # this client's boxes on the engines
         self._leases: dict[str, Lease] = {}
         self._fleet: dict[int, tuple[tuple[int, int], bool]] = {}  # index -> (generation, alive), as last polled
-        self._pending: dict[tuple[int, tuple[int, int]], set[asyncio.Future]] = {}
+        self._channels: dict[tuple[int, tuple[int, int]], _Channel] = {}
         self._poller: asyncio.Task | None = None
 
     async def generate(self, episode_id: str, token_ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         self._ensure_poller()
         lease = await self._lease(episode_id)
         key = (lease.index, lease.generation)
-        fut = asyncio.ensure_future(self._call(lease, token_ids, sampling, rid))
-        self._pending.setdefault(key, set()).add(fut)
+        channel = self._channels.get(key) or self._channels.setdefault(key, _Channel(self._id, lease))
+        fut = channel.send(rid, list(token_ids), sampling)
         try:
             out = await asyncio.wait_for(fut, self.request_timeout_s)
         except asyncio.CancelledError:
+            channel.forget(rid)
             if self._void(lease):
                 self._leases.pop(episode_id, None)
                 raise RetryableEngineError(f"engine {lease.index} was drained") from None
             raise
         except TimeoutError:
+            channel.forget(rid)
             raise RetryableEngineError(f"engine {lease.index}: request {rid} timed out") from None
-        except RetryableEngineError:
-            self._leases.pop(episode_id, None)
-            raise
-        finally:
-            pending = self._pending.get(key)
-            if pending is not None:
-                pending.discard(fut)
-                if not pending:
-                    del self._pending[key]
+        except Exception as err:
+            error = self._engine_error(lease, err)
+            if isinstance(error, RetryableEngineError):
+                self._leases.pop(episode_id, None)
+            raise error from err
         out.engine = lease.index
         return out
 
@@ -67,6 +140,9 @@ class EngineClient:
         self.router.release.remote(episode_id)
 
     async def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -89,22 +165,20 @@ class EngineClient:
         generation, alive = seen
         return not alive or generation != lease.generation
 
-    async def _call(self, lease: Lease, token_ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
-        try:
-            return await lease.handle.generate.remote(token_ids, sampling, rid)
-        except Exception as err:
-            if is_engine_death(err):
-                self._fleet[lease.index] = (lease.generation, False)
-                self.router.report_death.remote(lease.index, lease.generation, short_error(err))
-                raise RetryableEngineError(f"engine {lease.index} died") from err
-            raise as_engine_error(lease.index, err) from err
+    def _engine_error(self, lease: Lease, err: Exception) -> Exception:
+        """A death is reported to the router and retryable; any other failure names the engine."""
+        if is_engine_death(err):
+            self._fleet[lease.index] = (lease.generation, False)
+            self.router.report_death.remote(lease.index, lease.generation, short_error(err))
+            return RetryableEngineError(f"engine {lease.index} died")
+        return as_engine_error(lease.index, err)
 
     def _ensure_poller(self) -> None:
         if self._poller is None or self._poller.done():
             self._poller = asyncio.ensure_future(self._poll())
 
     async def _poll(self) -> None:
-        """Mirror the router's live engines; fail the calls to an engine it drained or replaced since."""
+        """Mirror the router's live engines; fail the turns on an engine it drained or replaced since."""
         while True:
             with contextlib.suppress(Exception):  # a slow router: keep the last view
                 self._set_fleet(await self.router.engine_view.remote())
@@ -112,7 +186,7 @@ class EngineClient:
 
     def _set_fleet(self, fleet: dict[int, tuple[tuple[int, int], bool]]) -> None:
         self._fleet = {index: (tuple(gen), alive) for index, (gen, alive) in fleet.items()}
-        for (index, generation), futures in list(self._pending.items()):
+        for (index, generation), channel in list(self._channels.items()):
             if self._void(Lease(index, generation, None)):
-                for fut in futures:
-                    fut.cancel()
+                del self._channels[(index, generation)]
+                channel.close()

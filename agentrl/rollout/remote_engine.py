@@ -28,6 +28,7 @@ import httpx
 from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import Completion, EngineError, GatedEngine, RetryableEngineError, finish_reason
 from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
+from agentrl.rollout.turn_mailbox import TurnMailbox
 
 Flavor = Literal["auto", "sglang", "vllm", "openai"]
 VLLM_ID_PREFIX = "generate-tokens-"  # vLLM's /inference/v1/generate prefixes the caller's request_id with this
@@ -119,7 +120,7 @@ def parse_openai_completion(body: dict[str, Any]) -> Completion:
     return [int(t) for t in ids], logprobs, finish_reason(choice.get("finish_reason"))
 
 
-class RemoteEngine(GatedEngine):
+class RemoteEngine(TurnMailbox, GatedEngine):
     """One running server, reached over a pooled async httpx client."""
 
     def __init__(

@@ -14,9 +14,10 @@ from agentrl.config.schema import SamplingConfig
 from agentrl.models.tiny import resolve_model_path
 from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
 from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
+from agentrl.rollout.turn_mailbox import TurnMailbox
 
 
-class SGLangEngine(GatedEngine):
+class SGLangEngine(TurnMailbox, GatedEngine):
     """`sglang.Engine` in the actor's process (its scheduler runs in SGLang's own subprocesses)."""
 
     def __init__(

@@ -25,9 +25,10 @@ from agentrl.rollout.base import (
     eos_token_ids,
     finish_reason,
 )
+from agentrl.rollout.turn_mailbox import TurnMailbox
 
 
-class VLLMEngine(GatedEngine):
+class VLLMEngine(TurnMailbox, GatedEngine):
     def __init__(
         self,
         model_path: str,
