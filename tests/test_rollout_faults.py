@@ -13,12 +13,12 @@ import psutil
 import pytest
 
 from agentrl.config.schema import RolloutConfig, SamplingConfig
-from agentrl.rollout.base import EngineDeadError, RetryableEngineError
+from agentrl.rollout.base import EngineDeadError, EngineError, RetryableEngineError
 from agentrl.rollout.engine_client import EngineClient
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
 from agentrl.rollout.router import Router, fleet_metrics
-from agentrl.rollout.turn_mailbox import TurnMailbox
+from agentrl.rollout.turn_mailbox import TurnMailbox, portable_error
 from agentrl.types import GenOutput
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
@@ -263,9 +263,9 @@ class CountingEngine(FakeEngine):
         super().__init__()
         self.submits = 0
 
-    async def submit(self, client: str, requests: list) -> None:
+    async def submit(self, client: str, requests: list, cancel: list[str] | None = None) -> None:
         self.submits += 1
-        await super().submit(client, requests)
+        await super().submit(client, requests, cancel)
 
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         if token_ids[0] == 99:
@@ -273,7 +273,17 @@ class CountingEngine(FakeEngine):
         return await super().generate(token_ids, sampling, request_id)
 
     async def stats(self) -> dict:
-        return {**await super().stats(), "submits": self.submits}
+        running = sum(len(box.running) for box in getattr(self, "_boxes", {}).values())
+        return {**await super().stats(), "submits": self.submits, "running": running}
+
+
+def test_a_turns_failure_travels_as_our_own_error_and_a_core_death_stays_one() -> None:
+    dead = portable_error(VLLM.EngineDeadError("EngineCore encountered an issue.\nSee stack trace"))
+    assert type(dead) is EngineDeadError and str(dead) == "EngineDeadError: EngineCore encountered an issue."
+    other = portable_error(ValueError("bad prompt"))
+    assert type(other) is EngineError and str(other) == "ValueError: bad prompt"
+    ours = RetryableEngineError("engine 0: request r1 timed out")
+    assert portable_error(ours) is ours
 
 
 async def test_direct_turns_share_ray_calls_and_a_slow_turn_holds_no_other(ray_session):
@@ -295,6 +305,20 @@ async def test_direct_turns_share_ray_calls_and_a_slow_turn_holds_no_other(ray_s
     submits = (await engine.stats.remote())["submits"] - before
     assert submits <= 4, submits
     assert done[0] - t0 >= 3 and max(t for i, t in done.items() if i) - t0 < 2, done
+    await client.close()
+
+
+async def test_a_turn_the_client_gives_up_on_is_stopped_on_the_engine(ray_session):
+    engine = ray_session.remote(CountingEngine).options(num_cpus=0).remote()
+    _made.append(engine)
+    client = EngineClient(_router(ray_session, [engine]), poll_s=0.05, request_timeout_s=0.5)
+    await engine.set_hang_generate.remote(True)
+    with pytest.raises(RetryableEngineError, match="r0 timed out"):
+        await client.generate("ep", PROMPT, QUICK, "r0")
+    deadline = time.monotonic() + 10
+    while (await engine.stats.remote())["running"]:
+        assert time.monotonic() < deadline, "the engine still runs a turn nobody waits for"
+        await asyncio.sleep(0.02)
     await client.close()
 
 

@@ -34,31 +34,41 @@ COLLECT_WAIT_S = 1.0  # a collect call returns empty after this long: the channe
 class _Channel:
     """One engine as this client sees it: turns queued for the next `submit`, futures awaiting their result."""
 
-    def __init__(self, client: str, lease: Lease) -> None:
-        self.client, self.handle = client, lease.handle
+    def __init__(self, lease: Lease) -> None:
+        # Its own box on the engine: a collect call still out from a closed channel to the same engine (drained,
+        # then back) must not take this channel's results.
+        self.client, self.handle = uuid.uuid4().hex, lease.handle
         self.waiting: dict[str, asyncio.Future] = {}
         self.queued: list[TurnRequest] = []
+        self.cancelled: list[str] = []  # turns no one waits for any more: stopped by the next submit
         self.sender: asyncio.Task | None = None
         self.collector: asyncio.Task | None = None
+        self.closed = False
 
     def send(self, rid: str, token_ids: list[int], sampling: SamplingConfig) -> asyncio.Future:
         fut = asyncio.get_running_loop().create_future()
         self.waiting[rid] = fut
         self.queued.append((rid, token_ids, sampling))
-        if self.sender is None or self.sender.done():
-            self.sender = asyncio.ensure_future(self._submit())
+        self._start_sender()
         if self.collector is None or self.collector.done():
             self.collector = asyncio.ensure_future(self._collect())
         return fut
+
+    def _start_sender(self) -> None:
+        if self.sender is None or self.sender.done():
+            self.sender = asyncio.ensure_future(self._submit())
 
     def forget(self, rid: str) -> None:
         """The caller stopped waiting (timeout, drain, cancellation): stop the request on the engine too."""
         fut = self.waiting.pop(rid, None)
         if fut is not None and not fut.done():
             fut.cancel()
-        self.handle.cancel.remote(self.client, [rid])
+        if not self.closed:  # a closed channel's engine was drained: the router aborts or replaces it
+            self.cancelled.append(rid)
+            self._start_sender()
 
     def close(self) -> None:
+        self.closed = True
         for fut in self.waiting.values():
             fut.cancel()
         self.waiting.clear()
@@ -68,11 +78,11 @@ class _Channel:
 
     async def _submit(self) -> None:
         await asyncio.sleep(0)  # turns queued in this turn of the event loop go in the same call
-        while self.queued:
-            batch, self.queued = self.queued, []
+        while self.queued or self.cancelled:
+            (batch, self.queued), (cancel, self.cancelled) = (self.queued, []), (self.cancelled, [])
             try:
-                await self.handle.submit.remote(self.client, batch)
-            except Exception as err:
+                await self.handle.submit.remote(self.client, batch, cancel)
+            except Exception as err:  # a dead engine: the cancelled turns need nothing more
                 self._fail([rid for rid, _, _ in batch], err)
 
     async def _collect(self) -> None:
@@ -103,7 +113,6 @@ class EngineClient:
         self.router = router
         self.request_timeout_s = request_timeout_s
         self.poll_s = poll_s
-        self._id = uuid.uuid4().hex  # this client's boxes on the engines
         self._leases: dict[str, Lease] = {}
         self._fleet: dict[int, tuple[tuple[int, int], bool]] = {}  # index -> (generation, alive), as last polled
         self._channels: dict[tuple[int, tuple[int, int]], _Channel] = {}
@@ -113,7 +122,7 @@ class EngineClient:
         self._ensure_poller()
         lease = await self._lease(episode_id)
         key = (lease.index, lease.generation)
-        channel = self._channels.get(key) or self._channels.setdefault(key, _Channel(self._id, lease))
+        channel = self._channels.get(key) or self._channels.setdefault(key, _Channel(lease))
         fut = channel.send(rid, list(token_ids), sampling)
         try:
             out = await asyncio.wait_for(fut, self.request_timeout_s)
@@ -168,6 +177,7 @@ class EngineClient:
     def _engine_error(self, lease: Lease, err: Exception) -> Exception:
         """A death is reported to the router and retryable; any other failure names the engine."""
         if is_engine_death(err):
+            self._channels.pop((lease.index, lease.generation), None)
             self._fleet[lease.index] = (lease.generation, False)
             self.router.report_death.remote(lease.index, lease.generation, short_error(err))
             return RetryableEngineError(f"engine {lease.index} died")

@@ -63,13 +63,18 @@ class TurnMailbox:
             self._boxes = {}
         return self._boxes.setdefault(client, _Box())
 
-    async def submit(self, client: str, requests: list[TurnRequest]) -> None:
-        """Start every request at once; its result waits in `client`'s box for `collect`."""
+    async def submit(self, client: str, requests: list[TurnRequest], cancel: list[str] | None = None) -> None:
+        """Start every request at once, each result to wait in `client`'s box for `collect`; then stop those in
+        `cancel` (the client no longer waits for them: an aborted vLLM request frees its KV cache)."""
         box = self._box(client)
         for request_id, token_ids, sampling in requests:
             task = asyncio.ensure_future(self.generate(token_ids, sampling, request_id))  # type: ignore[attr-defined]
             box.running[request_id] = task
             task.add_done_callback(partial(box.done, request_id))
+        for request_id in cancel or ():  # after the starts: a turn queued and given up in one go ends here too
+            task = box.running.pop(request_id, None)
+            if task is not None:
+                task.cancel()
 
     async def collect(self, client: str, wait_s: float) -> list[TurnResult]:
         """Every result finished since the last collect; waits up to `wait_s` while there is none."""
@@ -80,11 +85,3 @@ class TurnMailbox:
         out, box.finished = box.finished, []
         box.ready.clear()
         return out
-
-    async def cancel(self, client: str, request_ids: list[str]) -> None:
-        """Stop requests the client no longer waits for (an aborted vLLM request frees its KV cache)."""
-        box = self._box(client)
-        for request_id in request_ids:
-            task = box.running.pop(request_id, None)
-            if task is not None:
-                task.cancel()
