@@ -5,8 +5,8 @@ One Ray actor call costs ~1.5 ms of CPU (caller and actor together, measured on 
 Batching whole calls would tie every turn of a batch to its slowest one (a 4k-token answer would hold 63 short
 ones). So the two directions are batched separately: `submit` starts every request a client queued since its last
 call, each as its own `generate` (gate, versions, preemption unchanged); `collect` returns whatever has finished
-since the client's last collect, waiting only while nothing has. Under load each call carries many turns; when
-idle, a turn costs the same two calls as before.
+since the client's last collect, waiting only while nothing has. Under load each call carries many turns; a lone
+turn costs two calls instead of one.
 """
 
 from __future__ import annotations
