@@ -122,7 +122,9 @@ class EngineClient:
         self._ensure_poller()
         lease = await self._lease(episode_id)
         key = (lease.index, lease.generation)
-        channel = self._channels.get(key) or self._channels.setdefault(key, _Channel(lease))
+        channel = self._channels.get(key)
+        if channel is None:
+            channel = self._channels[key] = _Channel(lease)
         fut = channel.send(rid, list(token_ids), sampling)
         try:
             out = await asyncio.wait_for(fut, self.request_timeout_s)
