@@ -2,7 +2,8 @@
 
     warm start (SFT on expert demos) -> validate
     producer:  while admitted by the staleness bound: env managers roll out a group -> buffer
-    trainer:   batch = buffer.get_batch(); train_step; export weights; engines.update_weights; log; validate; save
+    trainer:   batch = buffer.get_batch(); train_step; export weights; engines.update_weights; log; save
+    validation (when due) runs on the engines beside the next train step, which syncs its weights only after it
 
 Every mode is this code with two parameters: async.max_staleness (0 = synchronous, 1 = one-step-off, k = fully
 async) and async.partial_rollout (weight updates preempt in-flight generations, which resume on the new weights;
@@ -102,6 +103,7 @@ class Pipeline:
         self.state = RunState(schedule=TaskSchedule.for_envs(train))
         self.trained_log = TrainedLog(run_dir / "trained_groups.jsonl")
         self.last_val: dict[str, float] = {}
+        self.validation: asyncio.Task | None = None  # one under way, on the weights of the step it measures
         self.tasks: set[asyncio.Future] = set()
         self.log_failure = FirstOfKind("rollout")  # the env managers' logs stay in Ray's files; say it here
         self.fleet: dict[str, float] = {}  # the router's engine counts, logged with every step
@@ -174,10 +176,34 @@ class Pipeline:
             await asyncio.sleep(every_s)
 
     # ---- validation / warm start -----------------------------------------------------------------------------
-    async def validate(self) -> dict[str, float]:
+    async def validate(self, step: int) -> dict[str, float]:
+        """Held-out episodes on the engines' current weights (those of `step`), logged at that step."""
         episodes = len(self.cfg.envs.val or self.cfg.envs.train) * self.cfg.validation.episodes_per_tag
-        with self.view.phase(f"validation at step {self.state.step}", episodes, "episodes") as tick:
-            return await evaluate(self.cfg, self.managers, tick)
+        with self.view.phase(f"validation at step {step}", episodes, "episodes") as tick:
+            result = await evaluate(self.cfg, self.managers, tick)
+        self.sink.log(step, result)
+        return result
+
+    def _start_validation(self) -> None:
+        """Validate beside the next train step: the trainer's core would idle while the engines validate."""
+
+        async def run(step: int) -> None:
+            self.last_val = await self.validate(step)
+
+        self.validation = asyncio.ensure_future(run(self.state.step))
+
+    async def _validation_done(self) -> None:
+        """Wait for the validation under way (its failure raises here): engines keep the weights it measures until
+        it ends. (An engine restarted meanwhile gets the trainer's newer weights; `watch_engines` cannot wait.)"""
+        task, self.validation = self.validation, None
+        if task is not None:
+            await task
+
+    def _drop_validation(self) -> None:
+        """A stop or a stall cuts the validation under way short; a resume from that step runs it again."""
+        if self.validation is not None:
+            self.validation.cancel()
+            self.validation = None
 
     async def warm_start(self) -> dict[str, float]:
         from transformers import AutoTokenizer
@@ -225,14 +251,15 @@ class Pipeline:
             print(f"agentrl: {snapshot.describe()}", flush=True)
             self.trained_log.forget_after(state.step)
             await self.weights.sync(state.step)
+            if state.step and self._validates(state.step):  # a stop may have cut that step's validation short
+                self._start_validation()
         else:
             self.trained_log.forget_after(0)  # a run killed before its first checkpoint starts again from scratch
             if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
                 self.sink.log(0, await self.warm_start())
                 await self.weights.sync(0)
             if self._validates():
-                state.first_val = await self.validate()
-                self.sink.log(state.step, state.first_val)
+                state.first_val = await self.validate(state.step)
         background = [self._background(self.produce()), self._background(self.watch_engines())]
         self.view.start_steps(state.step)
         try:
@@ -241,17 +268,19 @@ class Pipeline:
                 if metrics is not None:
                     self.sink.log(state.step, metrics)
         except RolloutStalled:
+            self._drop_validation()
             await self.save()  # resumable: the stall came before the next batch was taken
             raise
         finally:
             for task in background:
                 task.cancel()
         if self.stop_signal is not None:
+            self._drop_validation()
             await self.save()
             return {"first": state.first_val, "last": self.last_val}
+        await self._validation_done()
         if self._validates() and not self._validates(state.step):
-            self.last_val = await self.validate()
-            self.sink.log(state.step, self.last_val)
+            self.last_val = await self.validate(state.step)
         await self.save()
         return {"first": state.first_val, "last": self.last_val}
 
@@ -273,12 +302,14 @@ class Pipeline:
             state.trained += len(groups)
             self.trained_log.record(state.step, groups)
             metrics["train/version"] = float(self.trainer.version)
+        with timed(metrics, "timing/validation_wait"):  # the last step's validation, if it outlasted this step
+            await self._validation_done()
+        async with self.trainer_lock:
             with timed(metrics, "timing/weight_sync"):
                 await self.weights.sync(state.step)
         await self.buffer.set_version(state.step)
         if self._validates(state.step):
-            self.last_val = await self.validate()
-            metrics.update(self.last_val)
+            self._start_validation()
         if self.cfg.checkpoint.every_steps and state.step % self.cfg.checkpoint.every_steps == 0:
             await self.save()
         wall = time.perf_counter() - t_step

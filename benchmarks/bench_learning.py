@@ -67,7 +67,7 @@ def summarize(run_dir: Path, seed: int, wall_s: float) -> dict[str, Any]:
         "tool_calls_per_episode_last": statistics.mean(tools[-k:]) if tools else None,
         "warm_start_cached": bool(warm.get("sft/cached")),
         "warm_start_s": warm.get("sft/seconds"),
-        "rl_wall_minutes": (steps[-1]["time"] - first_val_time) / 60,
+        "rl_wall_minutes": (max(r["time"] for r in rows) - first_val_time) / 60,  # to the last validation's end
         "step_s_median": statistics.median(r["timing/step"] for r in steps),
         "trainer_s_median": statistics.median(train_s) if train_s else None,
         "run_wall_minutes": wall_s / 60,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -68,12 +69,31 @@ async def test_every_mode_trains_within_the_staleness_bound(
     pipeline = Pipeline(cfg, tmp_path)
     trained = []
     original = pipeline.trainer.train_step
+    loop, third_step = asyncio.get_running_loop(), asyncio.Event()
 
     def spy(samples):
         trained.append((pipeline.state.step, samples))  # the policy version = trained batches
+        if pipeline.state.step == 2:
+            loop.call_soon_threadsafe(third_step.set)
         return original(samples)
 
     pipeline.trainer.train_step = spy
+    synced_during_validation = []
+    sync = pipeline.weights.sync
+
+    async def sync_spy(version):  # validation (every 2 steps) runs beside the next step, on the weights it measures
+        synced_during_validation.append(pipeline.validation is not None and not pipeline.validation.done())
+        await sync(version)
+
+    pipeline.weights.sync = sync_spy
+    validate = pipeline.validate
+
+    async def held_validation(step):  # step 2's validation ends only once step 3 trains beside it (or times out)
+        if step == 2:
+            await asyncio.wait_for(third_step.wait(), 120)
+        return await validate(step)
+
+    pipeline.validate = held_validation
     try:
         result = await pipeline.run(resume_from=None)
     finally:
@@ -82,8 +102,13 @@ async def test_every_mode_trains_within_the_staleness_bound(
     k = cfg.async_.max_staleness
     for version, samples in trained:
         assert samples and all(version - min(s.policy_versions) <= k for s in samples)
-    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "train/loss" in r]
+    logged = list(read_jsonl(tmp_path / "metrics.jsonl"))
+    rows = [r for r in logged if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
+    assert synced_during_validation and not any(synced_during_validation)
+    order = [("val" if "val/success" in r else "train", r["step"]) for r in logged if "sft/seconds" not in r]
+    assert [x for x in order if x[0] == "val"] == [("val", 0), ("val", 2), ("val", 3)]
+    assert order.index(("val", 2)) < order.index(("train", 3)), "a validation is logged before the next step"
     for key in ("idle/trainer", "idle/rollout", "staleness/max", "throughput/tokens_per_s", "episode/success"):
         assert key in rows[0], key
     assert max(r["staleness/max"] for r in rows) <= k
