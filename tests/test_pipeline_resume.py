@@ -109,10 +109,12 @@ def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_pa
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_with_one_line(tmp_path, spawn):
-    """Also: a relative run dir is made absolute by the driver (the resume line names the absolute path)."""
+    """Also: a relative run dir is made absolute by the driver (the resume line names the absolute path); the
+    validation beside the step the stop came at (every step validates here) is run again by the resume."""
     run_dir = tmp_path / "run"
+    validating = ["validation.every_steps=1", "validation.episodes_per_tag=4"]
     proc = _train(spawn, run_dir, "checkpoint.every_steps=0", "trainer.total_steps=50", "logging.run_dir=run",
-                  cwd=tmp_path)  # fmt: skip
+                  *validating, cwd=tmp_path)  # fmt: skip
     _wait(proc, lambda: _trained_steps(run_dir) >= 1, "trained step")
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
@@ -123,3 +125,11 @@ def test_sigterm_saves_a_checkpoint_and_exits_with_one_line(tmp_path, spawn):
     step = int(lines[-1].split("at step ")[1].split(":")[0])
     assert step >= 1 and latest_checkpoint(run_dir).name == f"step-{step:06d}"
     assert not list(Path("/dev/shm").glob(f"agentrl-weights-*-{proc.pid}")), "weights folder left behind"
+    resumed_at = time.time()
+    proc = _train(spawn, run_dir, f"trainer.total_steps={step + 1}", *validating, "--resume", str(run_dir))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out.decode()[-3000:]
+    validated = [
+        r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val/success" in r and r["time"] > resumed_at
+    ]
+    assert validated == [step, step + 1], "the resume validates the step it starts from, then the next one"
