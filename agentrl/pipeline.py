@@ -186,18 +186,14 @@ class Pipeline:
 
     def _start_validation(self) -> None:
         """Validate beside the next train step: the trainer's core would idle while the engines validate."""
-
-        async def run(step: int) -> None:
-            self.last_val = await self.validate(step)
-
-        self.validation = asyncio.ensure_future(run(self.state.step))
+        self.validation = asyncio.ensure_future(self.validate(self.state.step))
 
     async def _validation_done(self) -> None:
         """Wait for the validation under way (its failure raises here): engines keep the weights it measures until
         it ends. (An engine restarted meanwhile gets the trainer's newer weights; `watch_engines` cannot wait.)"""
         task, self.validation = self.validation, None
         if task is not None:
-            await task
+            self.last_val = await task
 
     def _drop_validation(self) -> None:
         """A stop or a stall cuts the validation under way short; a resume from that step runs it again."""
