@@ -13,7 +13,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile   # two workers: one test waiting on a start-up leaves a core idle
 
 lint: setup
 	$(BIN)/ruff check .

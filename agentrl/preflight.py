@@ -21,8 +21,14 @@ def platform_fix(cfg: Config) -> str:
 
 def _starts_local_ray(cfg: Config) -> bool:
     """Whether `init_ray(cfg.ray_address)` will start a Ray cluster of this machine alone (no address, no
-    RAY_ADDRESS, no cluster left by `ray start` here), so that this machine's devices are the run's."""
-    if cfg.ray_address is not None or os.environ.get("RAY_ADDRESS"):
+    RAY_ADDRESS, no cluster left by `ray start` here; or the address "local"), so that this machine's devices are
+    the run's. As in `ray.init`, RAY_ADDRESS counts where the config says nothing or "auto"."""
+    address = cfg.ray_address
+    if address in (None, "auto"):
+        address = os.environ.get("RAY_ADDRESS") or address
+    if address == "local":  # Ray's word for "start a new local cluster, whatever else runs here"
+        return True
+    if address:
         return False
     try:
         from ray._private.services import find_bootstrap_address

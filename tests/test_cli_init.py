@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from tests.cli_run import ROOT, agentrl, assert_one_line_error
@@ -31,6 +32,7 @@ def _files(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
 
 
+@pytest.mark.slow
 def test_init_writes_a_project_whose_tests_pass(tmp_path: Path, wheel_site: Path) -> None:
     """As a user who pip-installed agentrl (a wheel, not this checkout) would: init, then the project's tests."""
     env = wheel_env(wheel_site)

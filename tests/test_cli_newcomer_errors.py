@@ -78,7 +78,7 @@ def test_chat_template_that_cannot_render_tool_calls(work: Path) -> None:
 
 
 def test_gpu_platform_on_a_cpu_machine(work: Path) -> None:
-    cpu_only = {"CUDA_VISIBLE_DEVICES": "", "RAY_ADDRESS": None, "AGENTRL_PLATFORM": None}
+    cpu_only = {"CUDA_VISIBLE_DEVICES": "", "RAY_ADDRESS": "local", "AGENTRL_PLATFORM": None}
     local = "model.path=./no_template"  # the platform is checked first; a local model skips building builtin:tiny
     res = agentrl("train", "sokoban.yaml", "platform=cuda", local, cwd=work, env=cpu_only)
     assert_one_line_error(res, "platform is cuda", "no CUDA GPU", "set platform: auto (or cpu)")

@@ -13,6 +13,7 @@ import sys
 import termios
 import time
 
+import pytest
 from rich.console import Console
 
 from agentrl.console import RunView, fit
@@ -55,6 +56,7 @@ def _train_in_pty(spawn, run_dir: str, width: int) -> tuple[int, str]:
     return proc.wait(timeout=30), out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_view_on_a_terminal(tmp_path, spawn):
     # A tiny run (warm start, validations at steps 0 and 2, two RL steps) in a terminal. The same view without one
     # (plain lines no wider than $COLUMNS) is checked on the run of tests/test_packaging.py's card command.

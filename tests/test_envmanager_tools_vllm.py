@@ -54,6 +54,7 @@ def _teach_tool_call(model_dir: str, out_dir, tokenizer, schemas) -> str:
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.slow
 async def test_math_env_tool_calls_through_real_engine(vllm_fleet, tiny_model_path, tmp_path):
     from transformers import AutoTokenizer
 

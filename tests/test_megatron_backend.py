@@ -69,6 +69,7 @@ def run(request, launches) -> dict:
     return result
 
 
+@pytest.mark.slow
 def test_layout(run):
     nproc, tp, _ = LAUNCHES[run["launch"]]
     assert (run["world"], run["tp"]) == (nproc, tp)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentrl.metrics import read_jsonl
@@ -46,6 +47,7 @@ def _train(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProces
     return subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_megatron_tp2_trains_syncs_resumes_and_exports(tmp_path, tiny_model_path):
     run_dir = tmp_path / "run"
     first = _train(run_dir, 2)

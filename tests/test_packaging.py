@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 
 from tests.conftest import wheel_env
@@ -60,6 +61,7 @@ def test_wheel_install_maps_namespaces(tmp_path, wheel_site):
         assert bad.returncode != 0, f"`import {name}` must not work"
 
 
+@pytest.mark.slow
 def test_the_card_command_runs_from_a_wheel_install_in_an_empty_directory(tmp_path, wheel_site):
     """A user who pip-installed agentrl types the product's own command in an empty folder: the bare example
     name resolves to the packaged config, and a short run trains and reports held-out success before and after.

@@ -56,6 +56,7 @@ def served_sokoban():
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.slow
 async def test_every_mode_trains_within_the_staleness_bound(
     mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir, request
 ):

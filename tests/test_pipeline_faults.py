@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from agentrl.metrics import read_jsonl
 from agentrl.run_state import latest_checkpoint
@@ -76,6 +77,7 @@ class Run:
         return len(victims)
 
 
+@pytest.mark.slow
 def test_an_env_crashing_every_step_stops_the_run_with_its_first_error(tmp_path, spawn):
     (tmp_path / "drill_envs.py").write_text(CRASHING_ENVS)
     run = Run(spawn, tmp_path / "run", "--import", "drill_envs", "envs.train.sokoban.env_id=drill/Crashing-v0",
@@ -90,6 +92,7 @@ def test_an_env_crashing_every_step_stops_the_run_with_its_first_error(tmp_path,
     assert not any("Traceback" in line for line in out), out
 
 
+@pytest.mark.slow
 def test_a_killed_engine_is_restarted_and_a_run_with_none_left_stops_with_a_checkpoint(tmp_path, spawn):
     run = Run(spawn, tmp_path / "run", "rollout.restart_engines=1", "rollout.no_engine_timeout_s=5",
               "rollout.stop_after_failed_groups=1000", "trainer.total_steps=100")  # fmt: skip

@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from agentrl.metrics import read_jsonl
 from agentrl.run_state import latest_checkpoint
 
@@ -63,6 +65,7 @@ def _ledger(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
     return trained, pending, admitted
 
 
+@pytest.mark.slow
 def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_path, spawn):
     rng = random.Random(22)
     run_dir = tmp_path / "run"
@@ -108,6 +111,7 @@ def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_pa
     assert rows[-1]["train/version"] == STEPS and rows[-1]["rollout/failed_episodes"] == 0
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_with_one_line(tmp_path, spawn):
     """Also: a relative run dir is made absolute by the driver (the resume line names the absolute path); the
     validation beside the step the stop came at (every step validates here) is run again by the resume."""

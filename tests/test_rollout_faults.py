@@ -387,6 +387,7 @@ def _kill_engine_core(actor_pid: int) -> int:
     return cores[0].pid
 
 
+@pytest.mark.slow
 async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fleet, ray_session, tiny_model_path):
     """Drill: kill -9 one engine's EngineCore process (its Ray actor lives on). update_weights used to raise
     EngineDeadError out of the router; now the engine is drained, counted, restarted and rejoins."""

@@ -112,6 +112,7 @@ async def test_abort_for_update_then_resume_keeps_both_versions(fleet, tiny_mode
     assert out.versions == [start_version] * first_new + [start_version + 1] * (1500 - first_new)
 
 
+@pytest.mark.slow
 async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rejoins(
     fleet, ray_session, tiny_model_path
 ):

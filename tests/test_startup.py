@@ -29,3 +29,20 @@ def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> N
     )
     with pytest.raises(ConfigError, match="needs 1 GPU \\(0 rollout engines x 1 \\+ 1 trainer ranks\\)"):
         startup.check_cluster_resources(remote)
+
+
+@pytest.mark.parametrize(
+    ("config_address", "env_address", "local"),
+    [("local", None, True), (None, "local", True), ("auto", "local", True), (None, "10.0.0.1:6379", False),
+     ("auto", None, False), ("10.0.0.1:6379", "local", False)],
+)  # fmt: skip
+def test_which_addresses_start_a_ray_of_this_machine_alone(monkeypatch, config_address, env_address, local) -> None:
+    """The local-device check applies exactly when `ray.init` would start a new local cluster: RAY_ADDRESS counts
+    where the config gives no address or "auto" (as in Ray), and "local" is one even with other clusters here."""
+    from agentrl.preflight import _starts_local_ray
+
+    if env_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env_address)
+    assert _starts_local_ray(Config.model_validate({"ray_address": config_address})) is local

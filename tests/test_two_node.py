@@ -118,6 +118,7 @@ def _tail(path: Path, chars: int = 4000) -> str:
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
+@pytest.mark.slow
 def test_collective_sync_across_nodes_kill_driver_and_resume(cluster, spawn):
     config, run_dir = _config(cluster, "collective", weight_sync="collective")
     first_log, resume_log = cluster.shared_dir / "collective-1.log", cluster.shared_dir / "collective-2.log"
