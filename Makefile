@@ -13,7 +13,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile   # two workers: one test waiting on a start-up leaves a core idle
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder   # files in conftest.py's order, slow ones first
 
 lint: setup
 	$(BIN)/ruff check .
