@@ -13,7 +13,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder   # files in conftest.py's order, slow ones first
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile   # two workers, a file at a time: a test waiting on a start-up leaves a core idle
 
 lint: setup
 	$(BIN)/ruff check .

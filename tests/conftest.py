@@ -18,14 +18,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ADDRESS", "local")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with a slow test first, each file's tests in their order: `make test`'s two xdist workers (one file at a
-    time each) start on the long runs and end together on short files, rather than one running a 3-minute test
-    alone at the end. A module's fixtures still start once."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     from agentrl.models.tiny import resolve_model_path

@@ -47,7 +47,9 @@ def _receiver(port: int, queue) -> None:
     group = new_group("gloo", "127.0.0.1", port, 1, 2, timeout_s=60)
     metas = [meta_of(k, v) for k, v in _state().items()]
     got = dict(receive_state_dict(group, metas, torch.device("cpu"), bucket_bytes=256))
-    queue.put({k: v.clone() for k, v in got.items()})
+    # numpy arrays travel by value: a torch tensor would travel as a shared-memory handle, which this process,
+    # exiting once it has put, may take with it before the test reads it
+    queue.put({k: v.numpy() for k, v in got.items()})
 
 
 def test_broadcast_over_gloo_between_processes() -> None:
@@ -72,7 +74,7 @@ def test_broadcast_over_gloo_between_processes() -> None:
     expected = _state()
     assert got.keys() == expected.keys()
     for k in expected:
-        assert torch.equal(got[k], expected[k])
+        assert torch.equal(torch.from_numpy(got[k]), expected[k])
 
 
 def test_disk_sync_refuses_a_weights_dir_without_room_for_two_snapshots(tmp_path, monkeypatch):
