@@ -1,9 +1,10 @@
 """`agentrl train`: the whole RL loop on one screen.
 
-    warm start (SFT on expert demos) -> validate
+    warm start (SFT on expert demos)
     producer:  while admitted by the staleness bound: env managers roll out a group -> buffer
     trainer:   batch = buffer.get_batch(); train_step; export weights; engines.update_weights; log; save
-    validation (when due) runs on the engines beside the next train step, which syncs its weights only after it
+    validation (at step 0 and when due) runs on the engines beside the next train step, which syncs its weights
+    only after it
 
 Every mode is this code with two parameters: async.max_staleness (0 = synchronous, 1 = one-step-off, k = fully
 async) and async.partial_rollout (weight updates preempt in-flight generations, which resume on the new weights;
@@ -36,7 +37,7 @@ from agentrl.metrics import MetricsSink
 from agentrl.models.hub import model_ref
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import cluster_platform, configure_cpu_threads
-from agentrl.rollout.fleet import create_engines, start_created, start_router
+from agentrl.rollout.fleet import create_engines, start_router
 from agentrl.rollout.router import fleet_metrics
 from agentrl.run_state import (
     RunState,
@@ -77,18 +78,16 @@ class Pipeline:
         check_before_start(cfg, self.model_path, platform)
         self.engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
         self.router = start_router(self.engines, cfg.rollout, model_path=ref, seed=cfg.seed)
-        # Engines load their weights while the trainer ranks start, unless disk sync must first check that every
-        # engine sees the folder trainer rank 0 writes (one line before any engine loads a model).
+        # Engines load their weights while the trainer ranks start and the warm start runs, unless disk sync must
+        # first check that every engine sees the folder trainer rank 0 writes (one line before any engine loads).
         disk = cfg.rollout.resolved_weight_sync == "disk"
-        loading = [] if disk else [engine.start.remote() for engine in self.engines]
+        self.loading = {} if disk else self._start_engines()
         self.trainer = TrainerGroup(cfg, ref, platform=platform)
         check_run_dir_shared(run_dir, self.trainer)
         self.weights = WeightSync(cfg, self.trainer, self.router, platform)
         self.weights.check(self.engines)
         if disk:
-            start_created(self.engines)
-        else:
-            ray.get(loading)
+            self.loading = self._start_engines()
         self.reward_pool = self._reward_pool()
         self.managers = start_managers(cfg, ref, self.router, self.reward_pool)
         train = cfg.envs.train
@@ -128,6 +127,28 @@ class Pipeline:
         from agentrl.reward import RewardPool
 
         return RewardPool(self.cfg.reward, judge_router=self.router)
+
+    def _start_engines(self) -> dict[ray.ObjectRef, int]:
+        """Every engine starts loading its weights; the pipeline goes on (`engines_loaded` waits)."""
+        return {engine.start.remote(): i for i, engine in enumerate(self.engines)}
+
+    def engines_loaded(self, wait: bool = True) -> None:
+        """An engine that failed to load ends the run in one line as soon as that is known; with `wait`, return
+        once every engine has loaded its weights."""
+        if not self.loading:
+            return
+        done, _ = ray.wait(list(self.loading), num_returns=len(self.loading), timeout=None if wait else 0)
+        for ref in done:
+            index = self.loading.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as err:
+                cause = getattr(err, "cause", None) or err
+                why = " ".join(str(cause).split())
+                raise ConfigError(
+                    f"rollout engine {index} could not load {self.model_path}: {type(cause).__name__}: {why} "
+                    "(rollout.* settings; --verbose shows the engines' own output)"
+                ) from err
 
     # ---- rollout side ----------------------------------------------------------------------------------------
     async def produce(self) -> None:
@@ -182,6 +203,8 @@ class Pipeline:
         with self.view.phase(f"validation at step {step}", episodes, "episodes") as tick:
             result = await evaluate(self.cfg, self.managers, tick)
         self.sink.log(step, result)
+        if step == 0:
+            self.state.first_val = result  # before RL
         return result
 
     def _start_validation(self) -> None:
@@ -216,7 +239,9 @@ class Pipeline:
         with self.view.phase("warm start: SFT", sft.steps, "steps") as tick:
             for step in range(sft.steps):
                 start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
-                metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
+                self.engines_loaded(wait=False)  # they load beside the warm start: a failure ends it at once
+                batch = demos[start : start + sft.batch_size]
+                metrics = await asyncio.to_thread(self.trainer.sft_step, batch, node_idle=not self.loading)
                 tick()
         if self.warm_cache is not None:
             await asyncio.to_thread(self._cache_warm_start, self.warm_cache)
@@ -246,16 +271,20 @@ class Pipeline:
             state = self.state = snapshot.state
             print(f"agentrl: {snapshot.describe()}", flush=True)
             self.trained_log.forget_after(state.step)
+            await asyncio.to_thread(self.engines_loaded)
             await self.weights.sync(state.step)
-            if state.step and self._validates(state.step):  # a stop may have cut that step's validation short
+            if self._validates(state.step):  # a stop may have cut that step's validation short
                 self._start_validation()
         else:
             self.trained_log.forget_after(0)  # a run killed before its first checkpoint starts again from scratch
-            if cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0:
+            warm = cfg.trainer.sft.enabled and cfg.trainer.sft.steps > 0
+            if warm:
                 self.sink.log(0, await self.warm_start())
+            await asyncio.to_thread(self.engines_loaded)
+            if warm:
                 await self.weights.sync(0)
             if self._validates():
-                state.first_val = await self.validate(state.step)
+                self._start_validation()  # beside the first batch's rollout: the trainer would wait for it anyway
         background = [self._background(self.produce()), self._background(self.watch_engines())]
         self.view.start_steps(state.step)
         try:

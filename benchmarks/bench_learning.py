@@ -6,7 +6,8 @@ Each seed is one `agentrl train` of the config (sequentially: they share the mac
 own draw of held-out levels (`validation.seed_start`), all from one warm start: `trainer.sft.cache` makes the first
 run save it and the others reuse it. Prints JSON: per seed the held-out greedy success before RL and at every
 validation, the sampled success (and tool calls per episode, for envs with tools) of the first and last training
-batches, RL wall minutes and the median RL step;
+batches, RL wall minutes (from the end of the warm start, the step-0 validation running beside the first steps,
+to the end of the last validation) and the median RL step;
 then the mean and standard deviation of the gain over seeds. key=value overrides apply to every seed.
 """
 
@@ -47,7 +48,7 @@ def summarize(run_dir: Path, seed: int, wall_s: float) -> dict[str, Any]:
     warm = next((r for r in rows if "sft/seconds" in r), {})
     if not steps:
         raise SystemExit(f"{run_dir}: no RL step in metrics.jsonl")
-    first_val_time = next((r["time"] for r in rows if "val/success" in r and r["step"] == 0), steps[0]["time"])
+    rl_start = warm["time"] if warm else steps[0]["time"] - steps[0]["timing/step"]  # step 0 validates beside RL
     train_s = [r["timing/train"] for r in steps if "timing/train" in r]
     sampled = [r["episode/success"] for r in steps if "episode/success" in r]
     calls = [[v for key, v in r.items() if key.startswith("env/") and key.endswith("/tool_calls")] for r in steps]
@@ -67,7 +68,7 @@ def summarize(run_dir: Path, seed: int, wall_s: float) -> dict[str, Any]:
         "tool_calls_per_episode_last": statistics.mean(tools[-k:]) if tools else None,
         "warm_start_cached": bool(warm.get("sft/cached")),
         "warm_start_s": warm.get("sft/seconds"),
-        "rl_wall_minutes": (max(r["time"] for r in rows) - first_val_time) / 60,  # to the last validation's end
+        "rl_wall_minutes": (max(r["time"] for r in rows) - rl_start) / 60,  # to the last validation's end
         "step_s_median": statistics.median(r["timing/step"] for r in steps),
         "trainer_s_median": statistics.median(train_s) if train_s else None,
         "run_wall_minutes": wall_s / 60,

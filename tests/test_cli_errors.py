@@ -17,6 +17,7 @@ import yaml
 from agentrl.config import Config, ConfigError, load_config
 from agentrl.envs import register_env
 from agentrl.envs.sokoban.env import SokobanEnv
+from agentrl.metrics import read_jsonl
 from tests.cli_run import agentrl, assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +148,17 @@ class FlakySokoban(SokobanEnv):
 
 
 register_env("tests/FlakySokoban-v0", FlakySokoban)
+
+
+def test_an_engine_that_cannot_load_ends_the_warm_start_beside_it_in_one_line(tmp_path: Path) -> None:
+    """Engines load while the warm start runs: a failure ends the run at once (2,000 SFT steps take minutes)."""
+    run = tmp_path / "run"
+    res = agentrl(
+        "train", str(ROOT / "tests" / "configs" / "tiny_pipeline.yaml"), "rollout.engine_kwargs={no_such_arg: 1}",
+        "trainer.sft.steps=2000", f"logging.run_dir={run}",
+    )  # fmt: skip
+    assert_one_line_error(res, "rollout engine 0 could not load", "no_such_arg")
+    assert not [r for r in read_jsonl(run / "metrics.jsonl") if "sft/seconds" in r], "the warm start was cut short"
 
 
 def test_warm_start_skips_and_counts_failing_demo_episodes(tiny_model_path: str, caplog) -> None:

@@ -68,12 +68,14 @@ async def test_every_mode_trains_within_the_staleness_bound(
     cache = warm_start_cache(cfg, tiny_model_path)
     reused = is_cached(cache)
     pipeline = Pipeline(cfg, tmp_path)
-    trained = []
+    trained, first_step_beside_validation = [], []
     original = pipeline.trainer.train_step
     loop, third_step = asyncio.get_running_loop(), asyncio.Event()
 
     def spy(samples):
         trained.append((pipeline.state.step, samples))  # the policy version = trained batches
+        if pipeline.state.step == 0:  # the step-0 validation was started beside the first batch, not awaited
+            first_step_beside_validation.append(pipeline.validation is not None)
         if pipeline.state.step == 2:
             loop.call_soon_threadsafe(third_step.set)
         return original(samples)
@@ -107,6 +109,7 @@ async def test_every_mode_trains_within_the_staleness_bound(
     rows = [r for r in logged if "train/loss" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert synced_during_validation and not any(synced_during_validation)
+    assert first_step_beside_validation == [True]
     order = [("val" if "val/success" in r else "train", r["step"]) for r in logged if "sft/seconds" not in r]
     assert [x for x in order if x[0] == "val"] == [("val", 0), ("val", 2), ("val", 3)]
     assert order.index(("val", 2)) < order.index(("train", 3)), "a validation is logged before the next step"
