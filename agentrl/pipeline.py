@@ -240,8 +240,7 @@ class Pipeline:
             for step in range(sft.steps):
                 start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
                 self.engines_loaded(wait=False)  # they load beside the warm start: a failure ends it at once
-                batch = demos[start : start + sft.batch_size]
-                metrics = await asyncio.to_thread(self.trainer.sft_step, batch, node_idle=not self.loading)
+                metrics = await asyncio.to_thread(self.trainer.sft_step, demos[start : start + sft.batch_size])
                 tick()
         if self.warm_cache is not None:
             await asyncio.to_thread(self._cache_warm_start, self.warm_cache)

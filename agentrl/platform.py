@@ -191,12 +191,6 @@ def configure_cpu_threads(num_threads: int = 1) -> None:
         pass  # already set once in this process
 
 
-def idle_node_threads(ranks_on_node: int) -> int:
-    """Torch threads for a CPU rank while nothing else on its node computes (the warm start: engines and env
-    managers wait): the node's cores shared by its ranks. A 2-core SFT step: 0.23 s on 1 thread, ~0.15 s on 2."""
-    return max(1, len(os.sched_getaffinity(0)) // max(1, ranks_on_node))
-
-
 def worker_env(platform: Platform | None = None) -> dict[str, str]:
     """Environment for Ray workers (runtime_env env_vars): thread caps on CPU. `platform`: the run's (default: this
     process's), so that a CPU head node does not cap the threads of ranks bound for GPU nodes."""

@@ -89,10 +89,9 @@ class TrainerGroup:
         self._version += 1
         return out
 
-    def sft_step(self, samples: list[Sample], node_idle: bool = True) -> dict[str, float]:
-        """One supervised step (cross-entropy on loss-mask tokens): a warm start, so the version stays.
-        node_idle: nothing else computes beside it (on CPU its ranks then share all the cores)."""
-        return self._get(self._call("sft_step", ray.put(samples), node_idle))
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
+        """One supervised step (cross-entropy on loss-mask tokens): a warm start, so the version stays."""
+        return self._get(self._call("sft_step", ray.put(samples)))
 
     def compute_logprobs(self, samples: list[Sample]) -> list[list[float]]:
         """Per-token log-probs under the current weights, aligned with token_ids (0.0 at position 0)."""

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from agentrl.config.schema import Config
 from agentrl.models.tiny import resolve_model_path
-from agentrl.platform import configure_cpu_threads, detect, idle_node_threads
+from agentrl.platform import configure_cpu_threads, detect
 from agentrl.trainer import advantages as adv_lib
 from agentrl.trainer import losses
 from agentrl.trainer.backends import ModelBackend, TrainOptimizer, create_backend
@@ -183,20 +183,9 @@ class TrainerRank(WeightPublisher):
             self.critic_opt = self.backend.optimizer(self.critic, opt_steps)
         self.opt: TrainOptimizer = self.backend.optimizer(self.model, opt_steps)
         self.sft_opt: TrainOptimizer | None = None
-        self.sft_threads = self._sft_threads()
         self.version = 0  # policy version = RL batches trained (train_step calls); the initial weights are 0
         self.optimizer_steps = 0  # every optimizer step: RL mini-batches and SFT steps
         return self.version
-
-    def _sft_threads(self) -> int:
-        """CPU ranks: the warm start runs alone on the node (engines idle), so its ranks share all its cores."""
-        if self.plat.kind != "cpu":
-            return 1
-        import ray
-
-        nodes: list[str | None] = [None] * self.world
-        dist.all_gather_object(nodes, ray.util.get_node_ip_address())
-        return idle_node_threads(nodes.count(nodes[self.rank]))
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
@@ -323,8 +312,6 @@ class TrainerRank(WeightPublisher):
         if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
             self.sft_opt = None
             self.opt.sync_from_model()
-            if self.plat.kind == "cpu":
-                torch.set_num_threads(1)  # the engines and env managers compute beside RL steps
         rl = self._prepare(samples)
         gap = self._rollout_gap(samples, rl.fields.get("prox"))
         sums, grad_norms, lrs = self._optimize(rl)
@@ -471,15 +458,12 @@ class TrainerRank(WeightPublisher):
         loss = losses.value_loss(v, batch["old_values"], batch["returns"], self._weights(batch), denom)
         return loss, {"value_loss": loss}
 
-    def sft_step(self, samples: list[Sample], node_idle: bool = True) -> dict[str, float]:
+    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
-        A warm start, not an RL batch: it leaves the policy version alone. node_idle: nothing else computes on
-        the node (engines loaded and idle): a CPU rank takes its share of all the cores."""
+        A warm start, not an RL batch: it leaves the policy version alone."""
         t0 = time.perf_counter()
         if self.sft_opt is None:
             self.sft_opt = self._sft_optimizer()
-        if self.plat.kind == "cpu":
-            torch.set_num_threads(self.sft_threads if node_idle else 1)
         mbs = self._plan(samples)
         fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
@@ -502,7 +486,6 @@ class TrainerRank(WeightPublisher):
             "sft/lr": lr,
             "sft/step_time": elapsed,
             "sft/tokens_per_s": n_tokens / elapsed,
-            "sft/threads": float(torch.get_num_threads()),
         }
 
     def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
