@@ -13,6 +13,8 @@ from agentrl.tools.search import make_search_tool, search
 from agentrl.tools.sokoban_hint import sokoban_hint
 
 sandbox = make_python_tool(timeout_s=1.5, memory_mb=256, max_output_bytes=2000)
+# The memory limit, not the clock: with 1.5 s, a sandbox that started slowly on a loaded machine hit the clock first.
+roomy = make_python_tool(timeout_s=30, memory_mb=256, max_output_bytes=2000)
 
 
 @pytest.mark.parametrize(
@@ -103,11 +105,9 @@ async def test_sandbox_kills_forked_children_too():
 
 
 async def test_sandbox_stops_memory_bomb():
-    start = time.perf_counter()
-    r = await sandbox({"code": "blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n"})
+    r = await roomy({"code": "blocks = []\nwhile True:\n    blocks.append(bytearray(16 << 20))\n"})
     assert "MemoryError" in r.content and "memory limit of 256 MiB" in r.content
-    assert time.perf_counter() - start < 8.0
-    r = await sandbox({"code": "x = bytearray(8 << 30)"})
+    r = await roomy({"code": "x = bytearray(8 << 30)"})
     assert "MemoryError" in r.content
 
 
