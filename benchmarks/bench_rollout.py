@@ -79,7 +79,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             model=model,
             skip_tokenizer_init=True,
             dtype="float32",
-            enforce_eager=cfg.enforce_eager,
+            enforce_eager=True if cfg.enforce_eager is None else cfg.enforce_eager,  # None: eager on CPU
             max_model_len=cfg.max_model_len,
             seed=0,
             enable_prefix_caching=True,

@@ -248,11 +248,14 @@ def _prompt_rows(repeats: bool) -> tuple[list[list[int]], list[list[int]]]:
     return toks, masks
 
 
+@pytest.mark.parametrize("tree", [True, False], ids=["tree-sdpa", "row-flash-layout"])
 @pytest.mark.parametrize(("fsdp", "repeats"), [(False, False), (True, False), (False, True), (True, True)])
-def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repeats) -> None:
+def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repeats, tree, monkeypatch) -> None:
     """The system prompt every row starts with runs once, and so does each prompt several rows repeat; their KV
     cache feeds the rows. Log-probs, entropies and every parameter's gradient must equal the plain pass (also
-    under FSDP2), and every position outside the loss mask holds 0."""
+    under FSDP2), and every position outside the loss mask holds 0. Both ways of running the rows' answers: side
+    by side under a tree mask (SDPA), and one row each on a copy of the context's cache (the flash-attention
+    layout, run here through SDPA: flash kernels need CUDA or an NPU)."""
     import os
 
     import torch.distributed as dist
@@ -270,6 +273,9 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
         model = M.apply_fsdp2(model)
     toks, masks = _prompt_rows(repeats)
     batch = collate(toks, {"loss_mask": masks}, "pad", 0)
+    assert PS._takes_custom_masks(model)  # the tiny model runs SDPA: the tree layout unless told otherwise
+    if not tree:
+        monkeypatch.setattr(PS, "_takes_custom_masks", lambda _model: False)
     plan = PS.plan_sharing(batch)
     assert plan is not None and plan.prefix == 24
     assert plan.contexts.shape[0] == (3 if repeats else 1)  # distinct prompts
@@ -296,3 +302,26 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
     assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(g_plain, g_shared, strict=True))
     if fsdp:
         dist.destroy_process_group()
+
+
+def test_tree_layout_packs_a_contexts_answers_side_by_side_and_splits_crowded_contexts() -> None:
+    """Each tree row holds one context's answers without overlap; answers of a context run beside one copy of it
+    while that is cheaper, and a context with very many answers is split (attention grows with the square)."""
+    from agentrl.trainer.prompt_sharing import _tree_layout
+
+    def check(inverse: list[int], lengths: list[int], tail: int, prefix: int):
+        lay = _tree_layout(inverse, lengths, tail, prefix)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
+            assert lay.tree_ctx[lay.tree_of[r]] == u  # a row sits in a tree row of its own context
+            assert 0 <= lay.start[r] and lay.start[r] + n <= lay.span
+            spans.setdefault(lay.tree_of[r], []).append((lay.start[r], lay.start[r] + n))
+        for segs in spans.values():
+            segs.sort()
+            assert all(a[1] <= b[0] for a, b in zip(segs, segs[1:], strict=False))  # no two answers overlap
+        return lay
+
+    few = check([0, 0, 0, 1, 1, 2], [3, 2, 5, 3, 2, 7], tail=40, prefix=24)
+    assert len(few.tree_ctx) == 3  # long contexts, short answers: one tree row per context
+    crowded = check([0] * 64, [5] * 64, tail=4, prefix=0)
+    assert 1 < len(crowded.tree_ctx) < 64

@@ -78,50 +78,154 @@ def shared_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: t
     """Logits [rows, len(positions), vocab] at `positions` of each row, as the plain pass would give them at every
     position a row needs (at or after its cut); zeros where a row needs none (before its cut, past its end)."""
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    n = plan.prefix
-    ctx, ctx_mask = plan.contexts, plan.context_mask
-    graph_ties = []  # every call's output joins the graph: FSDP2 unshards a layer for backward from its output
-    cache = None
-    if n:
-        head = model(input_ids=ctx[:1, :n], position_ids=_arange(0, n, ids)[None], use_cache=True, logits_to_keep=1)
-        cache = head.past_key_values
-        cache.batch_repeat_interleave(ctx.shape[0])
-        graph_ties.append(head.logits)
-    if ctx.shape[1] > n:
-        mid = model(
-            input_ids=ctx[:, n:],
-            attention_mask=ctx_mask,
-            position_ids=_arange(n, ctx.shape[1], ids)[None].expand(ctx.shape[0], -1),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        cache = mid.past_key_values
-        graph_ties.append(mid.logits)
-    cache.batch_select_indices(plan.inverse)
-
     lengths = mask.sum(dim=1)
     suffix_len = lengths - plan.cuts
     width = int(suffix_len.max())
     offsets = _arange(0, width, ids)[None]
     cols = (plan.cuts[:, None] + offsets).clamp(max=ids.shape[1] - 1)
-    suffix_mask = (offsets < suffix_len[:, None]).to(mask.dtype)
+    suffix_mask = offsets < suffix_len[:, None]
     suffix = ids.gather(1, cols) * suffix_mask
     rel = positions[None, :] - plan.cuts[:, None]  # [rows, K]: each needed position in the row's suffix
     valid = (rel >= 0) & (rel < suffix_len[:, None])
+    if _takes_custom_masks(model):
+        logits, ties = _tree_pass(model, plan, suffix, suffix_mask, rel.clamp(0, width - 1))
+    else:
+        logits, ties = _row_pass(model, plan, suffix, suffix_mask, rel, valid)
+    logits = torch.where(valid[..., None], logits, logits.new_zeros(()))
+    return logits + 0.0 * sum(t.sum() for t in ties) if ties else logits  # FSDP2 unshards for backward from them
+
+
+def _takes_custom_masks(model: nn.Module) -> bool:
+    """SDPA (and eager) attention take any [rows, 1, q, k] mask; flash kernels only padding or packed rows."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) == "sdpa"
+
+
+def _prefix_cache(model: nn.Module, plan: SharingPlan, rows: int) -> tuple[object | None, list[torch.Tensor]]:
+    """The KV cache of the prefix every row starts with, run once and repeated for `rows` rows (None: no prefix)."""
+    n, ctx = plan.prefix, plan.contexts
+    if not n:
+        return None, []
+    head = model(input_ids=ctx[:1, :n], position_ids=_arange(0, n, ctx)[None], use_cache=True, logits_to_keep=1)
+    cache = head.past_key_values
+    cache.batch_repeat_interleave(rows)
+    return cache, [head.logits]
+
+
+def _row_pass(model, plan, suffix, suffix_mask, rel, valid) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Flash kernels: each distinct context once, then every row's suffix on a copy of its context's KV cache."""
+    n, ctx, ctx_mask = plan.prefix, plan.contexts, plan.context_mask
+    cache, ties = _prefix_cache(model, plan, ctx.shape[0])
+    if ctx.shape[1] > n:
+        mid = model(
+            input_ids=ctx[:, n:],
+            attention_mask=ctx_mask,
+            position_ids=_arange(n, ctx.shape[1], ctx)[None].expand(ctx.shape[0], -1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = mid.past_key_values
+        ties.append(mid.logits)
+    cache.batch_select_indices(plan.inverse)
     keep = torch.unique(rel[valid]) if bool(valid.any()) else rel.new_zeros(1)
     out = model(
         input_ids=suffix,
-        attention_mask=torch.cat([ctx_mask[plan.inverse], suffix_mask], dim=1),
-        position_ids=plan.cuts[:, None] + offsets,
+        attention_mask=torch.cat([ctx_mask[plan.inverse], suffix_mask.to(ctx_mask.dtype)], dim=1),
+        position_ids=plan.cuts[:, None] + _arange(0, suffix.shape[1], suffix)[None],
         past_key_values=cache,
         use_cache=True,
         logits_to_keep=keep,
     )
     where = torch.searchsorted(keep, rel.clamp(min=0)).clamp(max=keep.numel() - 1)
-    logits = out.logits.gather(1, where[..., None].expand(-1, -1, out.logits.shape[-1]))
-    logits = torch.where(valid[..., None], logits, logits.new_zeros(()))
-    return logits + 0.0 * sum(t.sum() for t in graph_ties) if graph_ties else logits
+    return out.logits.gather(1, where[..., None].expand(-1, -1, out.logits.shape[-1])), ties
+
+
+def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """SDPA: one row per distinct context (or per few of its rows) holding the context's tail and then the
+    suffixes of its rows back to back, each suffix seeing the context and itself only (a tree mask). No row
+    copies a context's KV cache: on a step-wise batch that copy (and its gradient) cost more than the model."""
+    n, ctx, ctx_mask = plan.prefix, plan.contexts, plan.context_mask
+    tail = ctx.shape[1] - n
+    lengths = suffix_mask.sum(dim=1)
+    layout = _tree_layout(plan.inverse.tolist(), lengths.tolist(), tail, n)
+    trees, span = len(layout.tree_ctx), layout.span
+    dev = suffix.device
+    tree_ctx = torch.tensor(layout.tree_ctx, device=dev)
+    tree_of, start = torch.tensor(layout.tree_of, device=dev), torch.tensor(layout.start, device=dev)
+    # Every suffix token's place: tree row, column (after the context's tail).
+    width = suffix.shape[1]
+    t_idx = tree_of[:, None].expand(-1, width)[suffix_mask]
+    c_idx = (tail + start[:, None] + _arange(0, width, suffix)[None]).expand(suffix.shape[0], -1)[suffix_mask]
+    tokens = torch.zeros(trees, tail + span, dtype=suffix.dtype, device=dev)
+    tokens[:, :tail] = ctx[tree_ctx, n:]
+    tokens[t_idx, c_idx] = suffix[suffix_mask]
+    pos = torch.zeros_like(tokens)
+    pos[:, :tail] = _arange(n, n + tail, ctx)[None]
+    pos[t_idx, c_idx] = (plan.cuts[:, None] + _arange(0, width, suffix)[None]).expand(suffix.shape[0], -1)[suffix_mask]
+    seg = torch.full((trees, tail + span), -2, device=dev)  # -1: context, r: row r's suffix, -2: padding
+    seg[:, :tail] = torch.where(ctx_mask[tree_ctx, n:] > 0, -1, -2)
+    seg[t_idx, c_idx] = _arange(0, suffix.shape[0], suffix)[:, None].expand(-1, width)[suffix_mask]
+    col = _arange(0, tail + span, suffix)
+    causal = col[None, :] <= col[:, None]
+    sees = (seg[:, None, :] == -1) | ((seg[:, None, :] == seg[:, :, None]) & (seg[:, :, None] >= 0))
+    attend = (sees & causal[None]) | torch.eye(tail + span, dtype=torch.bool, device=dev)[None]
+    cache, ties = _prefix_cache(model, plan, trees)
+    if cache is not None:
+        attend = torch.cat([attend.new_ones(trees, tail + span, n), attend], dim=2)
+    out = model(
+        input_ids=tokens,
+        attention_mask=attend[:, None],
+        position_ids=pos,
+        past_key_values=cache,
+        use_cache=cache is not None,
+        logits_to_keep=span,
+    )
+    flat = out.logits.reshape(trees * span, -1)
+    rel = torch.minimum(rel, lengths[:, None] - 1)  # positions a row does not need read its own last logit
+    where = tree_of[:, None] * span + start[:, None] + rel  # [rows, K]: each needed logit in `flat`
+    return flat[where], ties
+
+
+TREE_ATTENTION_COST = 1 / 256  # one (query, key) pair of attention, in units of one token through the model
+
+
+@dataclass
+class TreeLayout:
+    tree_ctx: list[int]  # per tree row: its context
+    tree_of: list[int]  # per row: its tree row
+    start: list[int]  # per row: where its suffix starts after the tree row's context tail
+    span: int  # suffix columns per tree row (the fullest one's)
+
+
+def _tree_layout(inverse: list[int], lengths: list[int], tail: int, prefix: int) -> TreeLayout:
+    """Rows of one context fill its tree rows up to a suffix budget. A larger budget runs each context's tail
+    fewer times, but every tree row pads to the fullest and attention grows with the square of its length: the
+    budget (a power of two times the longest suffix) is the cheapest by a token-count model."""
+    best, best_cost, budget = None, float("inf"), max(lengths)
+    while True:
+        layout = _fill_trees(inverse, lengths, budget)
+        length = tail + layout.span
+        cost = len(layout.tree_ctx) * length * (1 + (prefix + length) * TREE_ATTENTION_COST)
+        if cost < best_cost:
+            best, best_cost = layout, cost
+        if len(layout.tree_ctx) == len(set(inverse)):  # one tree row per context: a larger budget changes nothing
+            return best
+        budget *= 2
+
+
+def _fill_trees(inverse: list[int], lengths: list[int], budget: int) -> TreeLayout:
+    tree_ctx: list[int] = []
+    tree_of, start = [0] * len(inverse), [0] * len(inverse)
+    open_tree: dict[int, tuple[int, int]] = {}  # context -> (its tree row being filled, columns used)
+    for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
+        t, used = open_tree.get(u, (-1, budget))
+        if used + n > budget:
+            t, used = len(tree_ctx), 0
+            tree_ctx.append(u)
+        tree_of[r], start[r] = t, used
+        open_tree[u] = (t, used + n)
+    return TreeLayout(tree_ctx, tree_of, start, max(s + n for s, n in zip(start, lengths, strict=True)))
 
 
 def _arange(start: int, end: int, like: torch.Tensor) -> torch.Tensor:
