@@ -36,3 +36,36 @@ def test_remembered_prompts_equal_the_tokenizers_ids_and_stay_bounded(tokenizer,
     for i in range(20):
         ct.encode(f"text {i}")
     assert len(ct._encoded) <= 8
+
+
+def test_prompts_encode_piece_by_piece_between_added_tokens(tokenizer) -> None:
+    """A step-wise prompt is the same rules and a new grid: the text between two added tokens (<|im_start|>, ...)
+    is encoded once and reused, and the ids still equal the tokenizer's own for every prompt, past the spot
+    checks against whole-text encodes."""
+    ct = ChatTokens(tokenizer)
+    assert ct._cut_at_added is not None
+    env = make_env("agentrl/SimpleSokoban-v0", mark_revisits=True)
+    rules = "Push the box onto the target. Answer <answer>Up</answer>, Down, Left or Right."
+    for seed in range(12):
+        obs, _ = env.reset(seed=seed)
+        messages = [{"role": "system", "content": rules}, {"role": "user", "content": obs}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ct.prompt_ids(messages) == list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert ct._cut_at_added is not None  # the spot checks agreed
+    system_pieces = [p for p in ct._pieces if rules.split()[0] in p]
+    assert len(system_pieces) == 1  # the rules' piece was encoded once for all 12 prompts
+
+
+def test_a_tokenizer_that_strips_around_added_tokens_encodes_whole_texts(tokenizer) -> None:
+    """An added token with lstrip/rstrip eats the spaces beside it: cutting the text there would change the ids,
+    so such tokenizers keep encoding whole texts."""
+    from copy import deepcopy
+
+    from tokenizers import AddedToken
+
+    tok = deepcopy(tokenizer)
+    tok.add_tokens([AddedToken("<obs>", lstrip=True, rstrip=True)])
+    ct = ChatTokens(tok)
+    assert ct._cut_at_added is None
+    text = "a  <obs>  b"
+    assert ct.encode(text) == list(tok(text, add_special_tokens=False)["input_ids"])

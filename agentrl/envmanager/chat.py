@@ -12,6 +12,7 @@ checked against a real render every `_RECHECK_EVERY` deltas.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 _PLACEHOLDER = "\x00AGENTRL_TURN\x00"
@@ -44,6 +45,10 @@ class ChatTokens:
         self._uses: dict[tuple[str, ...], int] = {}
         self._encoded: dict[str, tuple[int, ...]] = {}
         self._fast = self._fast_encoder()
+        self._added_ids: dict[str, int] = {}
+        self._cut_at_added = self._added_token_splitter()
+        self._pieces: dict[str, tuple[int, ...]] = {}  # text between two added tokens -> its ids
+        self._piece_encodes = 0
 
     def _render(self, messages: list[dict], generation_prompt: bool = False) -> str:
         return self.tok.apply_chat_template(
@@ -87,8 +92,46 @@ class ChatTokens:
 
     def _encode(self, text: str) -> list[int]:
         if self._fast is not None and self._fast_ok(self._fast):
+            if self._cut_at_added is not None:
+                return self._encode_pieces(text)
             return self._fast.encode(text, add_special_tokens=False).ids
         return self._slow_encode(text)
+
+    def _added_token_splitter(self) -> re.Pattern | None:
+        """A pattern cutting text at the tokenizer's added tokens (<|im_start|>, ...), when each is matched verbatim
+        (no strip, single-word or normalisation rules, not split as text): the tokenizer then encodes the text
+        between two of them on its own, so those pieces can be remembered apart. A step-wise prompt is the same
+        system rules and a new observation: only the observation's piece is new."""
+        added = getattr(self.tok, "added_tokens_decoder", None)
+        if self._fast is None or self._split or not isinstance(added, dict) or not added:
+            return None
+        normalizes = getattr(self._fast, "normalizer", None) is not None
+        for t in added.values():
+            if t.lstrip or t.rstrip or t.single_word or (t.normalized and normalizes):
+                return None
+        self._added_ids = {t.content: i for i, t in added.items()}
+        longest_first = sorted(self._added_ids, key=len, reverse=True)
+        return re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def _encode_pieces(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for i, part in enumerate(self._cut_at_added.split(text)):
+            if i % 2:  # the captured added token
+                ids.append(self._added_ids[part])
+            elif part:
+                got = self._pieces.get(part)
+                if got is None:
+                    if len(self._pieces) >= _ENCODED_TEXTS:
+                        self._pieces.clear()
+                    got = self._pieces[part] = tuple(self._fast.encode(part, add_special_tokens=False).ids)
+                ids.extend(got)
+        self._piece_encodes += 1
+        if self._piece_encodes <= _FIRST_CHECKS or self._piece_encodes % _RECHECK_EVERY == 0:
+            whole = self._fast.encode(text, add_special_tokens=False).ids
+            if whole != ids:  # this tokenizer does not cut at its added tokens: encode whole texts from now on
+                self._cut_at_added = None
+                return whole
+        return ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The whole conversation so far, ending in the generation prompt."""
