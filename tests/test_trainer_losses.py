@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -314,14 +315,48 @@ def test_tree_layout_packs_a_contexts_answers_side_by_side_and_splits_crowded_co
         spans: dict[int, list[tuple[int, int]]] = {}
         for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
             assert lay.tree_ctx[lay.tree_of[r]] == u  # a row sits in a tree row of its own context
-            assert 0 <= lay.start[r] and lay.start[r] + n <= lay.span
+            assert lay.start[r] >= 0 and lay.start[r] + n <= lay.span
             spans.setdefault(lay.tree_of[r], []).append((lay.start[r], lay.start[r] + n))
         for segs in spans.values():
             segs.sort()
-            assert all(a[1] <= b[0] for a, b in zip(segs, segs[1:], strict=False))  # no two answers overlap
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(segs))  # no two answers overlap
         return lay
 
     few = check([0, 0, 0, 1, 1, 2], [3, 2, 5, 3, 2, 7], tail=40, prefix=24)
     assert len(few.tree_ctx) == 3  # long contexts, short answers: one tree row per context
     crowded = check([0] * 64, [5] * 64, tail=4, prefix=0)
     assert 1 < len(crowded.tree_ctx) < 64
+
+
+def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path) -> None:
+    """Rows whose prompts repeat but start differently (no prefix cache): each distinct prompt runs once under
+    the tree mask, and log-probs and gradients still equal the plain pass."""
+    from agentrl.trainer import model as M
+    from agentrl.trainer import prompt_sharing as PS
+
+    torch.manual_seed(0)
+    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    a, b, c = [9, 10, 11, *range(70, 100)], [9, 10, 11, *range(80, 105)], [5, *range(90, 118)]
+    contexts = [a, a, a, b, b, c]
+    answers = [[200, 201, 2], [202, 2], [203, 204, 205, 2], [200, 2], [207, 208, 2], [1, 2]]
+    toks = [x + y for x, y in zip(contexts, answers, strict=True)]
+    masks = [[0] * len(x) + [1] * len(y) for x, y in zip(contexts, answers, strict=True)]
+    batch = collate(toks, {"loss_mask": masks}, "pad", 0)
+    plan = PS.plan_sharing(batch)
+    assert plan is not None and plan.prefix == 0 and plan.contexts.shape[0] == 3
+
+    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        old = PS.MIN_SHARED_TOKENS
+        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
+        try:
+            lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
+            (lp * batch["loss_mask"]).sum().backward()
+        finally:
+            PS.MIN_SHARED_TOKENS = old
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return lp.detach(), grads
+
+    (lp_plain, g_plain), (lp_shared, g_shared) = run(False), run(True)
+    assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
