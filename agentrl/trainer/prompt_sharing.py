@@ -5,10 +5,10 @@ revisit the same states, so many rows carry the very same prompt with a differen
 128-episode Sokoban batch held 1,433 turns but only 201 distinct prompts. Only the answers need a row each.
 
 A row is cut at its first needed logit (the token before its first loss token): the *context* before the cut is
-shared, the *suffix* from the cut on runs per row. Three model calls, each skipped when it would not pay:
-1. the prefix every row starts with (the system prompt), once;
-2. the rest of each distinct context, once per distinct context, on the prefix's KV cache;
-3. every row's suffix, on its context's KV cache (rows gathered from the distinct ones).
+shared, the *suffix* from the cut on runs per row. The prefix every row starts with (the system prompt) runs
+once; then, with SDPA, one call where each tree row holds a distinct context's tail and its rows' suffixes side by
+side under a tree mask (each suffix sees the context and itself). Flash kernels take no such mask: there the
+distinct contexts run once and every row's suffix runs on a copy of its context's KV cache (two calls).
 Exact, not an approximation: the logits and every gradient equal the plain pass (gradients reach the shared
 tokens through the cache), checked by tests.
 """
