@@ -7,8 +7,8 @@
 #     beside CPU torch.
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it.
 # Packages go in through uv (from PyPI), which installs the same pinned set several times faster than pip, with
-# pip's own settings (find-links, index URLs, certificate: `pip config list` and PIP_* variables); pip is the
-# fallback when uv cannot be installed or fails.
+# pip's own settings (find-links, index URLs, constraint file, certificate, timeout: `pip config list` and PIP_*
+# variables) and bytecode compiled as pip does; pip is the fallback when uv cannot be installed or fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
