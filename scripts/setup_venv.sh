@@ -33,22 +33,21 @@ out = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_ou
 for line in out.splitlines():
     key, _, value = line.partition("=")
     conf[key.split(".", 1)[-1]] = value.strip().strip("'\"")
-for key in ("find-links", "index-url", "extra-index-url", "cert", "constraint", "default-timeout"):
-    env = os.environ.get("PIP_" + key.upper().replace("-", "_"))
-    if env:
-        conf[key] = env
 uv = {"find-links": "UV_FIND_LINKS", "index-url": "UV_INDEX_URL", "extra-index-url": "UV_EXTRA_INDEX_URL",
       "cert": "SSL_CERT_FILE", "constraint": "UV_CONSTRAINT", "default-timeout": "UV_HTTP_TIMEOUT"}
 for key, name in uv.items():
-    if conf.get(key):
+    conf[key] = os.environ.get("PIP_" + key.upper().replace("-", "_")) or conf.get(key)
+    if conf[key]:
         value = ",".join(conf[key].split()) if key == "find-links" else " ".join(conf[key].split())
         print(f"export {name}={shlex.quote(value)}")
 print("export UV_INDEX_STRATEGY=unsafe-best-match")  # pip's rule: the best version from any index
 PY
 }
+uv_env=""  # uv_settings' output, read once (it runs `pip config list`)
 uv_install() {
   [[ -x "$VENV/bin/uv" ]] || quiet "$VENV/bin/pip" install -q "uv==$UV_VERSION" || return 1
-  (eval "$(uv_settings)" && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "$@")
+  [[ -n "$uv_env" ]] || uv_env="$(uv_settings)" || return 1
+  (eval "$uv_env" && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "$@")
 }
 pip_install() {  # pip_install <pip install arguments>: through uv, else pip
   uv_install "$@" && return 0
