@@ -246,16 +246,17 @@ async def _run(
     async def read_all() -> None:
         nonlocal size, truncated
         assert proc.stdout is not None
-        while True:
-            chunk = await proc.stdout.read(65536)
-            if not chunk:
-                return
+        # to EOF even after truncating: asyncio reports the exit only once the pipe has closed, and a pipe left
+        # full is never seen to close (the call would then sit out the whole wall-time limit)
+        while chunk := await proc.stdout.read(65536):
+            if truncated:
+                continue
             if size + len(chunk) > lim.max_output_bytes:
                 chunks.append(chunk[: lim.max_output_bytes - size])
                 size = lim.max_output_bytes
                 truncated = True
                 _kill(proc)  # no point letting it print gigabytes nobody reads
-                return
+                continue
             chunks.append(chunk)
             size += len(chunk)
 
