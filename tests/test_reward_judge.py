@@ -122,20 +122,28 @@ def judge_router(ray_session, tiny_model_path):
 
 
 async def test_vllm_judge_through_ray_workers(judge_router, tiny_model_path) -> None:
+    # Limits no loaded 2-core CI box reaches (the defaults, 30 s a call, were reached there): this test is about
+    # the judge's path through Ray workers and the router, the timeouts have tests of their own.
     reward_cfg = RewardConfig(
         functions=[
-            RewardFnSpec(name="model_judge", kwargs={"model_path": tiny_model_path, "on_unparsable": 0.0}),
-            RewardFnSpec(name="model_judge", label="strict_judge", kwargs={"model_path": tiny_model_path}),
+            RewardFnSpec(
+                name="model_judge", timeout_s=150, kwargs={"model_path": tiny_model_path, "on_unparsable": 0.0}
+            ),
+            RewardFnSpec(
+                name="model_judge", label="strict_judge", timeout_s=150, kwargs={"model_path": tiny_model_path}
+            ),
         ],
         num_workers=2,
+        timeout_s=200,
     )
     pool = RewardPool(reward_cfg, judge_router=judge_router)
     try:
         episodes = [Episode(messages=EPISODE.messages, task=EPISODE.task, episode_id=str(i)) for i in range(6)]
-        results = await asyncio.wait_for(asyncio.gather(*(pool.score(e) for e in episodes)), 120)
+        results = await asyncio.wait_for(asyncio.gather(*(pool.score(e) for e in episodes)), 300)
     finally:
         pool.shutdown()
     for r in results:
+        assert "model_judge" in r.components, r.missing
         assert 0.0 <= r.components["model_judge"] <= 1.0 and r.metrics["reward/model_judge/judge_seconds"] > 0
         # the tiny model's reply is noise: either a score in range or a parse failure, never anything else
         strict = r.components.get("strict_judge")

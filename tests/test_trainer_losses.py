@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from agentrl.trainer import losses as L
 from agentrl.trainer.batching import collate, micro_batches, scatter_back, shard_indices
 from agentrl.trainer.optim import lr_factor
 from agentrl.types import Sample
+from tests.servers import free_port
 
 
 def _sample(reward: float, group: str, ep: str, mask: list[int], turn: int | None = None, **kw) -> Sample:
@@ -163,6 +165,9 @@ def test_shard_and_micro_batches() -> None:
     # Equal lengths, prompts A B A B A B: each micro-batch of 3 holds one prompt only (run once by the trainer).
     same = micro_batches(range(6), [10] * 6, budget=30, layout="pad", prompts=[7, 9] * 3)
     assert same == [[0, 2, 4], [1, 3, 5]]
+    # A trainer that runs each distinct prompt once: a prompt costs its 10 tokens once, each row its 2 after it.
+    shared = micro_batches(range(6), [12] * 6, budget=30, layout="pad", prompts=[7, 9] * 3, prompt_lengths=[10] * 6)
+    assert shared == [[0, 2, 4, 1, 3], [5]]  # 12 + 2 + 2, + 12 + 2 = 30; then a new micro-batch
 
 
 def test_collate_layouts() -> None:
@@ -268,7 +273,7 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
     model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
     if fsdp:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29581")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         if not dist.is_initialized():
             dist.init_process_group("gloo", rank=0, world_size=1)
         model = M.apply_fsdp2(model)
@@ -305,27 +310,41 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
         dist.destroy_process_group()
 
 
-def test_tree_layout_packs_a_contexts_answers_side_by_side_and_splits_crowded_contexts() -> None:
-    """Each tree row holds one context's answers without overlap; answers of a context run beside one copy of it
-    while that is cheaper, and a context with very many answers is split (attention grows with the square)."""
+def test_tree_layout_packs_contexts_and_answers_without_overlap_and_splits_crowded_contexts() -> None:
+    """Tree rows hold several contexts back to back and their rows' answers after them, nothing overlapping;
+    a context runs once while that is cheaper, a context with very many answers is split (attention grows with
+    the square of a row), and a step-wise batch's tree rows are mostly real tokens, not padding."""
     from agentrl.trainer.prompt_sharing import _tree_layout
 
-    def check(inverse: list[int], lengths: list[int], tail: int, prefix: int):
-        lay = _tree_layout(inverse, lengths, tail, prefix)
-        spans: dict[int, list[tuple[int, int]]] = {}
+    def check(inverse: list[int], lengths: list[int], ctx_len: list[int], prefix: int):
+        lay = _tree_layout(inverse, lengths, ctx_len, prefix)
+        used: dict[int, list[tuple[int, int]]] = {}  # tree row -> occupied column ranges
+        for t, u, col in lay.segments:
+            assert col + ctx_len[u] <= lay.context_width
+            used.setdefault(t, []).append((col, col + ctx_len[u]))
         for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
-            assert lay.tree_ctx[lay.tree_of[r]] == u  # a row sits in a tree row of its own context
+            t, u_seg, _ = lay.segments[lay.segment_of[r]]
+            assert (t, u_seg) == (lay.tree_of[r], u)  # a row sits beside a copy of its own context
             assert lay.start[r] >= 0 and lay.start[r] + n <= lay.span
-            spans.setdefault(lay.tree_of[r], []).append((lay.start[r], lay.start[r] + n))
-        for segs in spans.values():
-            segs.sort()
-            assert all(a[1] <= b[0] for a, b in itertools.pairwise(segs))  # no two answers overlap
+            col = lay.context_width + lay.start[r]
+            used.setdefault(t, []).append((col, col + n))
+        for spans in used.values():
+            spans.sort()
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # nothing overlaps
         return lay
 
-    few = check([0, 0, 0, 1, 1, 2], [3, 2, 5, 3, 2, 7], tail=40, prefix=24)
-    assert len(few.tree_ctx) == 3  # long contexts, short answers: one tree row per context
-    crowded = check([0] * 64, [5] * 64, tail=4, prefix=0)
-    assert 1 < len(crowded.tree_ctx) < 64
+    few = check([0, 0, 0, 1, 1, 2], [3, 2, 5, 3, 2, 7], [40, 40, 40], prefix=24)
+    assert sorted(u for _, u, _ in few.segments) == [0, 1, 2]  # long contexts, short answers: each runs once
+    crowded = check([0] * 64, [5] * 64, [4], prefix=0)
+    assert 1 < len(crowded.segments) < 64
+    rng = random.Random(0)  # step-wise: 40 contexts of 41-45 tokens, 1-20 answers of 5-6 tokens each
+    inverse = [u for u in range(40) for _ in range(rng.randint(1, 20))]
+    lengths = [rng.randint(5, 6) for _ in inverse]
+    ctx_len = [rng.randint(41, 45) for _ in range(40)]
+    lay = check(inverse, lengths, ctx_len, prefix=65)
+    real = sum(ctx_len[u] for _, u, _ in lay.segments) + sum(lengths)
+    assert lay.trees * (lay.context_width + lay.span) <= 1.15 * real
+    assert len(lay.segments) <= 48  # few contexts run twice
 
 
 def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path) -> None:

@@ -28,14 +28,25 @@ def shard_indices(lengths: Sequence[int], world_size: int) -> list[list[int]]:
 
 
 def micro_batches(
-    indices: Sequence[int], lengths: Sequence[int], budget: int, layout: str, prompts: Sequence[int] | None = None
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    budget: int,
+    layout: str,
+    prompts: Sequence[int] | None = None,
+    prompt_lengths: Sequence[int] | None = None,
 ) -> list[list[int]]:
     """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
 
     Samples are taken by length (least padding); among equal lengths, samples with the same `prompts` key sit
     together, so that a micro-batch holds a repeated prompt as often as it can (the trainer runs it once).
+    With `prompt_lengths` (`pad` only: the trainer runs each distinct prompt of a micro-batch once, and lays the
+    rest out with little padding), a micro-batch costs its distinct prompts once plus every row's tokens after
+    its prompt, and samples are taken prompt by prompt: a 128-episode step-wise Sokoban batch then trains in one
+    micro-batch per mini-batch instead of three (every extra pass repeats the shared tokens and the per-call work).
     A sample longer than the budget gets a micro-batch of its own.
     """
+    if prompt_lengths is not None and prompts is not None:
+        return _shared_prompt_micro_batches(indices, lengths, budget, prompts, prompt_lengths)
     order = sorted(indices, key=lambda i: (lengths[i], prompts[i] if prompts else 0, i))
     out: list[list[int]] = []
     cur: list[int] = []
@@ -48,6 +59,27 @@ def micro_batches(
             cur, new_cost = [], n
         cur.append(i)
         cost = new_cost
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _shared_prompt_micro_batches(
+    indices: Sequence[int], lengths: Sequence[int], budget: int, prompts: Sequence[int], prompt_lengths: Sequence[int]
+) -> list[list[int]]:
+    order = sorted(indices, key=lambda i: (prompt_lengths[i], prompts[i], lengths[i], i))
+    out: list[list[int]] = []
+    cur: list[int] = []
+    seen: set[int] = set()
+    cost = 0
+    for i in order:
+        n = lengths[i] - (prompt_lengths[i] if prompts[i] in seen else 0)
+        if cur and cost + n > budget:
+            out.append(cur)
+            cur, seen, cost, n = [], set(), 0, lengths[i]
+        cur.append(i)
+        seen.add(prompts[i])
+        cost += n
     if cur:
         out.append(cur)
     return out

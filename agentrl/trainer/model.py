@@ -117,6 +117,14 @@ def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
     return None if mask.dim() == 4 or mask.shape[0] == 1 else mask
 
 
+def shares_prompts(model: nn.Module, grad: bool) -> bool:
+    """Whether `causal_logits` can run repeated prompts once for this model (`prompt_sharing`): it needs HF's
+    `logits_to_keep` and a KV cache, and no activation checkpointing while grads flow (the backward replay would
+    append the shared tokens' KV to the cache again)."""
+    recomputes = grad and getattr(model, "recomputes_layers", False)
+    return _accepts(model, "logits_to_keep") and _accepts(model, "past_key_values") and not recomputes
+
+
 def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
     """Logits [rows, len(positions), vocab] at `positions` (sorted) of each row.
 
@@ -127,9 +135,7 @@ def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: t
     if not _accepts(model, "logits_to_keep"):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return out.logits[:, positions]
-    # Under activation checkpointing the backward replay would append the shared tokens' KV to the cache again.
-    recomputes = torch.is_grad_enabled() and getattr(model, "recomputes_layers", False)
-    plan = plan_sharing(batch) if _accepts(model, "past_key_values") and not recomputes else None
+    plan = plan_sharing(batch) if shares_prompts(model, torch.is_grad_enabled()) else None
     if plan is None:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=positions)
         return out.logits

@@ -142,37 +142,51 @@ def _row_pass(model, plan, suffix, suffix_mask, rel, valid) -> tuple[torch.Tenso
 
 
 def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """SDPA: one row per distinct context (or per few of its rows) holding the context's tail and then the
-    suffixes of its rows back to back, each suffix seeing the context and itself only (a tree mask). No row
-    copies a context's KV cache: on a step-wise batch that copy (and its gradient) cost more than the model."""
+    """SDPA: tree rows each holding a few distinct contexts' tails back to back, then the suffixes of their rows
+    (every row's suffix sits in the last `span` columns, where the logits are kept), each suffix seeing its own
+    context and itself only (a tree mask). No row copies a context's KV cache: on a step-wise batch that copy
+    (and its gradient) cost more than the model; and packing several contexts per tree row leaves little
+    padding (one context per tree row padded a Sokoban batch's tree rows by 60%)."""
     n, ctx, ctx_mask = plan.prefix, plan.contexts, plan.context_mask
-    tail = ctx.shape[1] - n
-    lengths = suffix_mask.sum(dim=1)
-    layout = _tree_layout(plan.inverse.tolist(), lengths.tolist(), tail, n)
-    trees, span = len(layout.tree_ctx), layout.span
     dev = suffix.device
-    tree_ctx = torch.tensor(layout.tree_ctx, device=dev)
+    lengths = suffix_mask.sum(dim=1)
+    ctx_len = (ctx_mask.sum(dim=1) - n).clamp(min=0)
+    layout = _tree_layout(plan.inverse.tolist(), lengths.tolist(), ctx_len.tolist(), n)
+    trees, cw, span = layout.trees, layout.context_width, layout.span
+    seg_tree, seg_ctx, seg_col = (torch.tensor(v, device=dev) for v in zip(*layout.segments, strict=True))
     tree_of, start = torch.tensor(layout.tree_of, device=dev), torch.tensor(layout.start, device=dev)
-    # Every suffix token's place: tree row, column (after the context's tail).
-    width = suffix.shape[1]
-    t_idx = tree_of[:, None].expand(-1, width)[suffix_mask]
-    c_idx = (tail + start[:, None] + _arange(0, width, suffix)[None]).expand(suffix.shape[0], -1)[suffix_mask]
-    tokens = torch.zeros(trees, tail + span, dtype=suffix.dtype, device=dev)
-    tokens[:, :tail] = ctx[tree_ctx, n:]
-    tokens[t_idx, c_idx] = suffix[suffix_mask]
+    segment_of = torch.tensor(layout.segment_of, device=dev)
+    tokens = torch.zeros(trees, cw + span, dtype=suffix.dtype, device=dev)
     pos = torch.zeros_like(tokens)
-    pos[:, :tail] = _arange(n, n + tail, ctx)[None]
-    pos[t_idx, c_idx] = (plan.cuts[:, None] + _arange(0, width, suffix)[None]).expand(suffix.shape[0], -1)[suffix_mask]
-    seg = torch.full((trees, tail + span), -2, device=dev)  # -1: context, r: row r's suffix, -2: padding
-    seg[:, :tail] = torch.where(ctx_mask[tree_ctx, n:] > 0, -1, -2)
-    seg[t_idx, c_idx] = _arange(0, suffix.shape[0], suffix)[:, None].expand(-1, width)[suffix_mask]
-    col = _arange(0, tail + span, suffix)
+    seg = torch.full((trees, cw + span), -2, device=dev)  # segment of each column (-2: padding)
+    role = torch.full((trees, cw + span), -2, device=dev)  # -1: a context's token, r: row r's suffix
+    # The contexts' tails: segment k's context at columns seg_col[k].. of tree row seg_tree[k].
+    tail = int(ctx_len.max()) if ctx_len.numel() else 0
+    j = _arange(0, tail, ctx)[None]
+    ok = j < ctx_len[seg_ctx][:, None]
+    t_idx = seg_tree[:, None].expand(-1, tail)[ok]
+    c_idx = (seg_col[:, None] + j)[ok]
+    tokens[t_idx, c_idx] = ctx[:, n : n + tail][seg_ctx][ok]
+    pos[t_idx, c_idx] = (n + j).expand(len(layout.segments), -1)[ok]
+    seg[t_idx, c_idx] = _arange(0, len(layout.segments), ctx)[:, None].expand(-1, tail)[ok]
+    role[t_idx, c_idx] = -1
+    # The rows' suffixes: row r at column cw + start[r].. of tree row tree_of[r].
+    width = suffix.shape[1]
+    j = _arange(0, width, suffix)[None].expand(suffix.shape[0], -1)
+    t_idx = tree_of[:, None].expand(-1, width)[suffix_mask]
+    c_idx = (cw + start[:, None] + j)[suffix_mask]
+    tokens[t_idx, c_idx] = suffix[suffix_mask]
+    pos[t_idx, c_idx] = (plan.cuts[:, None] + j)[suffix_mask]
+    seg[t_idx, c_idx] = segment_of[:, None].expand(-1, width)[suffix_mask]
+    role[t_idx, c_idx] = _arange(0, suffix.shape[0], suffix)[:, None].expand(-1, width)[suffix_mask]
+    col = _arange(0, cw + span, suffix)
     causal = col[None, :] <= col[:, None]
-    sees = (seg[:, None, :] == -1) | ((seg[:, None, :] == seg[:, :, None]) & (seg[:, :, None] >= 0))
-    attend = (sees & causal[None]) | torch.eye(tail + span, dtype=torch.bool, device=dev)[None]
+    same = (seg[:, None, :] == seg[:, :, None]) & (seg[:, :, None] >= 0)
+    sees = same & ((role[:, None, :] == -1) | (role[:, None, :] == role[:, :, None]))
+    attend = (sees & causal[None]) | torch.eye(cw + span, dtype=torch.bool, device=dev)[None]
     cache, ties = _prefix_cache(model, plan, trees)
     if cache is not None:
-        attend = torch.cat([attend.new_ones(trees, tail + span, n), attend], dim=2)
+        attend = torch.cat([attend.new_ones(trees, cw + span, n), attend], dim=2)
     out = model(
         input_ids=tokens,
         attention_mask=attend[:, None],
@@ -187,45 +201,74 @@ def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, lis
     return flat[where], ties
 
 
-TREE_ATTENTION_COST = 1 / 256  # one (query, key) pair of attention, in units of one token through the model
+TREE_ATTENTION_COST = 1 / 1024  # one (query, key) pair of attention, in units of one token through the model
 
 
 @dataclass
 class TreeLayout:
-    tree_ctx: list[int]  # per tree row: its context
+    trees: int  # tree rows
+    segments: list[tuple[int, int, int]]  # per segment (a context and some of its rows): tree row, context, column
+    segment_of: list[int]  # per row: its segment
     tree_of: list[int]  # per row: its tree row
-    start: list[int]  # per row: where its suffix starts after the tree row's context tail
+    start: list[int]  # per row: where its suffix starts in its tree row's suffix columns
+    context_width: int  # context columns per tree row (the fullest one's)
     span: int  # suffix columns per tree row (the fullest one's)
 
 
-def _tree_layout(inverse: list[int], lengths: list[int], tail: int, prefix: int) -> TreeLayout:
-    """Rows of one context fill its tree rows up to a suffix budget. A larger budget runs each context's tail
-    fewer times, but every tree row pads to the fullest and attention grows with the square of its length: the
-    budget (a power of two times the longest suffix) is the cheapest by a token-count model."""
-    best, best_cost, budget = None, float("inf"), max(lengths)
+def _tree_layout(inverse: list[int], lengths: list[int], ctx_len: list[int], prefix: int) -> TreeLayout:
+    """The rows laid out over 1, 2, 4, ... tree rows, the cheapest by a token-count model: fewer, longer tree rows
+    run each context fewer times, but attention grows with the square of a row's length. The search stops once
+    there are as many tree rows as contexts and the cost grows."""
+    contexts = len(set(inverse))
+    best, best_cost, trees = None, float("inf"), 1
     while True:
-        layout = _fill_trees(inverse, lengths, budget)
-        length = tail + layout.span
-        cost = len(layout.tree_ctx) * length * (1 + (prefix + length) * TREE_ATTENTION_COST)
+        layout = _pack(inverse, lengths, ctx_len, trees)
+        length = layout.context_width + layout.span
+        cost = layout.trees * length * (1 + (prefix + length) * TREE_ATTENTION_COST)
         if cost < best_cost:
             best, best_cost = layout, cost
-        if len(layout.tree_ctx) == len(set(inverse)):  # one tree row per context: a larger budget changes nothing
+        elif trees >= contexts:
             return best
-        budget *= 2
+        if trees >= len(inverse):
+            return best
+        trees *= 2
 
 
-def _fill_trees(inverse: list[int], lengths: list[int], budget: int) -> TreeLayout:
-    tree_ctx: list[int] = []
-    tree_of, start = [0] * len(inverse), [0] * len(inverse)
-    open_tree: dict[int, tuple[int, int]] = {}  # context -> (its tree row being filled, columns used)
+def _pack(inverse: list[int], lengths: list[int], ctx_len: list[int], trees: int) -> TreeLayout:
+    """Segments (a context and its rows, split where they hold more than a tree row's share of the answers),
+    largest first, each into the tree row it widens least (the least filled among equals)."""
+    share = max(max(lengths), -(-sum(lengths) // trees))
+    segments: list[tuple[int, list[int], int]] = []  # context, rows, suffix tokens
+    open_segment: dict[int, int] = {}  # context -> its segment being filled
     for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
-        t, used = open_tree.get(u, (-1, budget))
-        if used + n > budget:
-            t, used = len(tree_ctx), 0
-            tree_ctx.append(u)
-        tree_of[r], start[r] = t, used
-        open_tree[u] = (t, used + n)
-    return TreeLayout(tree_ctx, tree_of, start, max(s + n for s, n in zip(start, lengths, strict=True)))
+        k = open_segment.get(u)
+        if k is None or segments[k][2] + n > share:
+            k = open_segment[u] = len(segments)
+            segments.append((u, [], 0))
+        segments[k][1].append(r)
+        segments[k] = (u, segments[k][1], segments[k][2] + n)
+    fill = [[0, 0] for _ in range(min(trees, len(segments)))]  # per tree row: context and suffix columns used
+    widest = [0, 0]
+    placed: list[tuple[int, int, int]] = [(0, 0, 0)] * len(segments)
+    segment_of, tree_of, start = [0] * len(inverse), [0] * len(inverse), [0] * len(inverse)
+    for k in sorted(range(len(segments)), key=lambda k: (-ctx_len[segments[k][0]] - segments[k][2], k)):
+        u, rows, size = segments[k]
+        t = min(
+            range(len(fill)),
+            key=lambda t: (
+                max(widest[0], fill[t][0] + ctx_len[u]) + max(widest[1], fill[t][1] + size),
+                fill[t][0] + fill[t][1],
+                t,
+            ),
+        )
+        placed[k] = (t, u, fill[t][0])
+        at = fill[t][1]
+        for r in rows:
+            segment_of[r], tree_of[r], start[r] = k, t, at
+            at += lengths[r]
+        fill[t] = [fill[t][0] + ctx_len[u], at]
+        widest = [max(widest[0], fill[t][0]), max(widest[1], at)]
+    return TreeLayout(len(fill), placed, segment_of, tree_of, start, widest[0], widest[1])
 
 
 def _arange(start: int, end: int, like: torch.Tensor) -> torch.Tensor:

@@ -189,15 +189,24 @@ class TrainerRank(WeightPublisher):
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
-    def _plan(self, samples: list[Sample], mine: list[int] | None = None) -> list[list[int]]:
+    def _plan(self, samples: list[Sample], mine: list[int] | None = None, shared: bool = False) -> list[list[int]]:
         """This rank's micro-batches (of its data-parallel shard, or of `mine`), padded with empty ones to the max
-        count over ranks (collectives)."""
+        count over ranks (collectives). `shared`: every pass over them runs repeated prompts once (the budget
+        then counts a prompt once, not once per row)."""
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
             mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
-        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, _prompt_keys(samples))
+        keys, prompt_lengths = _prompts(samples)
+        if not shared or self.tc.packing != "pad":
+            prompt_lengths = None
+        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, prompt_lengths)
         n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
+
+    def _shares_prompts(self, grad: bool) -> bool:
+        """Whether every model pass over a plan's micro-batches runs repeated prompts once: the critic's value
+        pass reuses the policy's plan and runs every row whole."""
+        return self.critic is None and self.backend.shares_prompts(self.model, grad)
 
     def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
         """Collate micro-batch `idx` onto the rank's device; an empty one is a 2-token dummy, loss mask 0 (keeps
@@ -339,7 +348,7 @@ class TrainerRank(WeightPublisher):
         """Under the weights from before this step: the micro-batch plan, the proximal / reference log-probs
         and values, advantages, and every per-token input of the loss."""
         alg = self.alg
-        mbs = self._plan(samples)
+        mbs = self._plan(samples, shared=self._shares_prompts(grad=False))
         mine = [i for mb in mbs for i in mb]
         self.model.eval()
         prox = self._logprob_pass(self.model, samples, mbs) if alg.loss == "decoupled_ppo" else None
@@ -375,7 +384,7 @@ class TrainerRank(WeightPublisher):
                 self.opt.zero_grad()
                 if self.critic is not None:
                     self.critic_opt.zero_grad()
-                mbs = self._plan(rl.samples, part)
+                mbs = self._plan(rl.samples, part, shared=self._shares_prompts(grad=True))
                 rows = self.backend.forward_backward(
                     self.model, self._micro_batches(rl.samples, mbs, rl.fields), partial(self._rl_loss, denom=denom),
                     with_entropy=True, entropy_grad=self.alg.entropy_coef > 0,
@@ -464,7 +473,7 @@ class TrainerRank(WeightPublisher):
         t0 = time.perf_counter()
         if self.sft_opt is None:
             self.sft_opt = self._sft_optimizer()
-        mbs = self._plan(samples)
+        mbs = self._plan(samples, shared=self._shares_prompts(grad=True))
         fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
         self.model.train()
@@ -567,13 +576,15 @@ def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
     return loss, {"loss": loss, "correct": correct}
 
 
-def _prompt_keys(samples: list[Sample]) -> list[int]:
-    """Per sample, a key of its prompt (the tokens before its first loss token): equal prompts, equal keys."""
-    keys = []
+def _prompts(samples: list[Sample]) -> tuple[list[int], list[int]]:
+    """Per sample, a key of its prompt (the tokens before its first loss token: equal prompts, equal keys) and
+    the prompt's length."""
+    keys, lengths = [], []
     for s in samples:
         first = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
         keys.append(hash(tuple(s.token_ids[:first])))
-    return keys
+        lengths.append(first)
+    return keys, lengths
 
 
 def _with_reward(s: Sample, reward: float) -> Sample:

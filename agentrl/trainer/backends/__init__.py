@@ -96,6 +96,11 @@ class ModelBackend(ABC):
         / `forward_values` (log-probs 0 outside the loss positions). `batches` may collate lazily: each item is
         read once per pass, in order."""
 
+    def shares_prompts(self, model: nn.Module, grad: bool) -> bool:
+        """Whether `forward_backward` runs a micro-batch's repeated prompts once (then the micro-batch planner
+        counts them once against `trainer.micro_batch_tokens`)."""
+        return False
+
     @abstractmethod
     def weight_metas(self, model: nn.Module, tied: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """HF names, full shapes and dtypes of the policy's weights, in `full_weights` order, without

@@ -18,7 +18,7 @@ from torch import nn
 
 from agentrl.config.schema import OptimConfig
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
-from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values
+from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values, shares_prompts
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.sharding import build_sharded
 
@@ -70,6 +70,9 @@ class FSDP2Backend(ModelBackend):
 
     def optimizer(self, model: nn.Module, total_steps: int, optim: OptimConfig | None = None) -> FSDP2Optimizer:
         return FSDP2Optimizer(model, optim or self.tc.optim, total_steps)
+
+    def shares_prompts(self, model: nn.Module, grad: bool) -> bool:
+        return shares_prompts(model, grad)
 
     def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
         """One micro-batch after another; the loss times `dp_size` because FSDP2 averages gradients over ranks."""
