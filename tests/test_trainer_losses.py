@@ -310,41 +310,48 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
         dist.destroy_process_group()
 
 
-def test_tree_layout_packs_contexts_and_answers_without_overlap_and_splits_crowded_contexts() -> None:
-    """Tree rows hold several contexts back to back and their rows' answers after them, nothing overlapping;
-    a context runs once while that is cheaper, a context with very many answers is split (attention grows with
-    the square of a row), and a step-wise batch's tree rows are mostly real tokens, not padding."""
+def test_tree_layout_runs_shared_context_tokens_once_and_each_row_sees_exactly_its_context() -> None:
+    """Contexts become tries in tree rows: a token several contexts share runs once, every row's suffix sits in
+    its tree row's last columns without overlap, and the trie tokens a row's suffix may see (by the layout's
+    intervals) spell exactly its own context at the right positions; a context with very many answers is split
+    over tree rows (attention grows with the square of a row)."""
     from agentrl.trainer.prompt_sharing import _tree_layout
 
-    def check(inverse: list[int], lengths: list[int], ctx_len: list[int], prefix: int):
-        lay = _tree_layout(inverse, lengths, ctx_len, prefix)
-        used: dict[int, list[tuple[int, int]]] = {}  # tree row -> occupied column ranges
-        for t, u, col in lay.segments:
-            assert col + ctx_len[u] <= lay.context_width
-            used.setdefault(t, []).append((col, col + ctx_len[u]))
+    def check(tails: list[tuple[int, ...]], inverse: list[int], lengths: list[int], prefix: int):
+        lay = _tree_layout(tails, inverse, lengths, prefix)
+        used: dict[int, list[tuple[int, int]]] = {}
         for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
-            t, u_seg, _ = lay.segments[lay.segment_of[r]]
-            assert (t, u_seg) == (lay.tree_of[r], u)  # a row sits beside a copy of its own context
-            assert lay.start[r] >= 0 and lay.start[r] + n <= lay.span
-            col = lay.context_width + lay.start[r]
-            used.setdefault(t, []).append((col, col + n))
+            t, end = lay.tree_of[r], lay.context_end[r]
+            seen = [c for c in range(lay.width) if lay.lo[t][c] >= 0 and lay.lo[t][c] <= end <= lay.hi[t][c]]
+            assert [lay.tokens[t][c] for c in seen] == list(tails[u])
+            assert [lay.positions[t][c] for c in seen] == list(range(prefix, prefix + len(tails[u])))
+            assert lay.width - lay.span <= lay.start[r] and lay.start[r] + n <= lay.width
+            assert all(lay.lo[t][c] < 0 for c in range(lay.start[r], lay.start[r] + n))  # no trie token there
+            used.setdefault(t, []).append((lay.start[r], lay.start[r] + n))
         for spans in used.values():
             spans.sort()
-            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # nothing overlaps
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))  # no two suffixes overlap
         return lay
 
-    few = check([0, 0, 0, 1, 1, 2], [3, 2, 5, 3, 2, 7], [40, 40, 40], prefix=24)
-    assert sorted(u for _, u, _ in few.segments) == [0, 1, 2]  # long contexts, short answers: each runs once
-    crowded = check([0] * 64, [5] * 64, [4], prefix=0)
-    assert 1 < len(crowded.segments) < 64
-    rng = random.Random(0)  # step-wise: 40 contexts of 41-45 tokens, 1-20 answers of 5-6 tokens each
-    inverse = [u for u in range(40) for _ in range(rng.randint(1, 20))]
-    lengths = [rng.randint(5, 6) for _ in inverse]
-    ctx_len = [rng.randint(41, 45) for _ in range(40)]
-    lay = check(inverse, lengths, ctx_len, prefix=65)
-    real = sum(ctx_len[u] for _, u, _ in lay.segments) + sum(lengths)
-    assert lay.trees * (lay.context_width + lay.span) <= 1.15 * real
-    assert len(lay.segments) <= 48  # few contexts run twice
+    tails = [(5, 6, 7, 8), (5, 6, 9), (5, 6, 7, 8, 10), (11,), ()]
+    lay = check(tails, [0, 0, 1, 2, 3, 4, 1], [3, 2, 5, 3, 2, 7, 1], prefix=24)
+    trie = sum(1 for row in lay.lo for c in row if c >= 0)
+    assert lay.trees == 1 and trie == 7  # 5 6 7 8 10, 9, 11: 13 context tokens run as 7
+    crowded = check([(1, 2, 3, 4)], [0] * 64, [5] * 64, prefix=0)
+    assert 1 < crowded.trees < 64
+    rng = random.Random(0)  # step-wise: 40 grids of one level (6 rows of 7 tokens), a few lower rows redrawn
+    level = [[rng.randint(3, 9) for _ in range(7)] for _ in range(6)]
+
+    def grid() -> tuple[int, ...]:
+        redrawn = rng.randint(3, 5)
+        rows = level[:redrawn] + [[rng.randint(3, 9) for _ in range(7)] for _ in range(6 - redrawn)]
+        visit = (99, rng.randint(2, 4)) if rng.random() < 0.3 else ()  # a "(visit k)" line on some
+        return tuple(tok for row in rows for tok in row) + visit
+
+    tails = sorted({grid() for _ in range(40)})
+    inverse = [u for u in range(len(tails)) for _ in range(rng.randint(1, 6))]
+    lay = check(tails, inverse, [rng.randint(3, 8) for _ in inverse], prefix=65)
+    assert sum(1 for row in lay.lo for c in row if c >= 0) < 0.5 * sum(len(t) for t in tails)
 
 
 def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path) -> None:

@@ -6,8 +6,9 @@ revisit the same states, so many rows carry the very same prompt with a differen
 
 A row is cut at its first needed logit (the token before its first loss token): the *context* before the cut is
 shared, the *suffix* from the cut on runs per row. The prefix every row starts with (the system prompt) runs
-once; then, with SDPA, one call where each tree row holds a distinct context's tail and its rows' suffixes side by
-side under a tree mask (each suffix sees the context and itself). Flash kernels take no such mask: there the
+once; then, with SDPA, one call where each tree row holds a few distinct contexts' tails back to back and then
+their rows' suffixes, under a tree mask (each suffix sees its own context and itself). Flash kernels take no
+such mask: there the
 distinct contexts run once and every row's suffix runs on a copy of its context's KV cache (two calls).
 Exact, not an approximation: the logits and every gradient equal the plain pass (gradients reach the shared
 tokens through the cache), checked by tests.
@@ -142,51 +143,40 @@ def _row_pass(model, plan, suffix, suffix_mask, rel, valid) -> tuple[torch.Tenso
 
 
 def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """SDPA: tree rows each holding a few distinct contexts' tails back to back, then the suffixes of their rows
-    (every row's suffix sits in the last `span` columns, where the logits are kept), each suffix seeing its own
-    context and itself only (a tree mask). No row copies a context's KV cache: on a step-wise batch that copy
-    (and its gradient) cost more than the model; and packing several contexts per tree row leaves little
-    padding (one context per tree row padded a Sokoban batch's tree rows by 60%)."""
+    """SDPA: tree rows each holding a trie of some distinct contexts' tails (a token shared by several contexts
+    runs once), then their rows' suffixes in the last columns (where the logits are kept); under a tree mask a
+    token sees its ancestors in the trie, a suffix its context's path and itself. Step-wise prompts that differ
+    only in the last lines (a grid's lower rows, a "(visit k)" mark) share the rest: on a Sokoban batch the
+    distinct contexts' 29k tail tokens were a trie of 10k. No row copies a context's KV cache."""
     n, ctx, ctx_mask = plan.prefix, plan.contexts, plan.context_mask
     dev = suffix.device
     lengths = suffix_mask.sum(dim=1)
-    ctx_len = (ctx_mask.sum(dim=1) - n).clamp(min=0)
-    layout = _tree_layout(plan.inverse.tolist(), lengths.tolist(), ctx_len.tolist(), n)
-    trees, cw, span = layout.trees, layout.context_width, layout.span
-    seg_tree, seg_ctx, seg_col = (torch.tensor(v, device=dev) for v in zip(*layout.segments, strict=True))
+    ctx_len = (ctx_mask.sum(dim=1) - n).clamp(min=0).tolist()
+    tails = [tuple(row[n : n + k]) for row, k in zip(ctx.tolist(), ctx_len, strict=True)]
+    layout = _tree_layout(tails, plan.inverse.tolist(), lengths.tolist(), n)
+    trees, width, span = layout.trees, layout.width, layout.span
+    tokens = torch.tensor(layout.tokens, dtype=suffix.dtype, device=dev)
+    pos = torch.tensor(layout.positions, device=dev)
+    lo, hi, me = (torch.tensor(v, device=dev) for v in (layout.lo, layout.hi, layout.me))
+    owner = torch.full((trees, width), -2, device=dev)  # r: row r's suffix, -1: a trie token, -2: padding
+    owner[lo >= 0] = -1
     tree_of, start = torch.tensor(layout.tree_of, device=dev), torch.tensor(layout.start, device=dev)
-    segment_of = torch.tensor(layout.segment_of, device=dev)
-    tokens = torch.zeros(trees, cw + span, dtype=suffix.dtype, device=dev)
-    pos = torch.zeros_like(tokens)
-    seg = torch.full((trees, cw + span), -2, device=dev)  # segment of each column (-2: padding)
-    role = torch.full((trees, cw + span), -2, device=dev)  # -1: a context's token, r: row r's suffix
-    # The contexts' tails: segment k's context at columns seg_col[k].. of tree row seg_tree[k].
-    tail = int(ctx_len.max()) if ctx_len.numel() else 0
-    j = _arange(0, tail, ctx)[None]
-    ok = j < ctx_len[seg_ctx][:, None]
-    t_idx = seg_tree[:, None].expand(-1, tail)[ok]
-    c_idx = (seg_col[:, None] + j)[ok]
-    tokens[t_idx, c_idx] = ctx[:, n : n + tail][seg_ctx][ok]
-    pos[t_idx, c_idx] = (n + j).expand(len(layout.segments), -1)[ok]
-    seg[t_idx, c_idx] = _arange(0, len(layout.segments), ctx)[:, None].expand(-1, tail)[ok]
-    role[t_idx, c_idx] = -1
-    # The rows' suffixes: row r at column cw + start[r].. of tree row tree_of[r].
-    width = suffix.shape[1]
-    j = _arange(0, width, suffix)[None].expand(suffix.shape[0], -1)
-    t_idx = tree_of[:, None].expand(-1, width)[suffix_mask]
-    c_idx = (cw + start[:, None] + j)[suffix_mask]
+    j = _arange(0, suffix.shape[1], suffix)[None].expand(suffix.shape[0], -1)
+    t_idx = tree_of[:, None].expand_as(j)[suffix_mask]
+    c_idx = (start[:, None] + j)[suffix_mask]
     tokens[t_idx, c_idx] = suffix[suffix_mask]
     pos[t_idx, c_idx] = (plan.cuts[:, None] + j)[suffix_mask]
-    seg[t_idx, c_idx] = segment_of[:, None].expand(-1, width)[suffix_mask]
-    role[t_idx, c_idx] = _arange(0, suffix.shape[0], suffix)[:, None].expand(-1, width)[suffix_mask]
-    col = _arange(0, cw + span, suffix)
-    causal = col[None, :] <= col[:, None]
-    same = (seg[:, None, :] == seg[:, :, None]) & (seg[:, :, None] >= 0)
-    sees = same & ((role[:, None, :] == -1) | (role[:, None, :] == role[:, :, None]))
-    attend = (sees & causal[None]) | torch.eye(cw + span, dtype=torch.bool, device=dev)[None]
+    owner[t_idx, c_idx] = _arange(0, suffix.shape[0], suffix)[:, None].expand_as(j)[suffix_mask]
+    me[t_idx, c_idx] = torch.tensor(layout.context_end, device=dev)[:, None].expand_as(j)[suffix_mask]
+    col = _arange(0, width, suffix)
+    # query q sees key k: k is on q's trie path (k's subtree [lo, hi] holds q's place `me`), or both are one row's
+    # suffix and k comes first
+    in_trie = (lo[:, None, :] <= me[:, :, None]) & (me[:, :, None] <= hi[:, None, :]) & (lo[:, None, :] >= 0)
+    same_row = (owner[:, None, :] == owner[:, :, None]) & (owner[:, :, None] >= 0) & (col[None, :] <= col[:, None])
+    attend = in_trie | same_row | torch.eye(width, dtype=torch.bool, device=dev)[None]
     cache, ties = _prefix_cache(model, plan, trees)
     if cache is not None:
-        attend = torch.cat([attend.new_ones(trees, cw + span, n), attend], dim=2)
+        attend = torch.cat([attend.new_ones(trees, width, n), attend], dim=2)
     out = model(
         input_ids=tokens,
         attention_mask=attend[:, None],
@@ -197,78 +187,123 @@ def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, lis
     )
     flat = out.logits.reshape(trees * span, -1)
     rel = torch.minimum(rel, lengths[:, None] - 1)  # positions a row does not need read its own last logit
-    where = tree_of[:, None] * span + start[:, None] + rel  # [rows, K]: each needed logit in `flat`
+    where = tree_of[:, None] * span + (start[:, None] - (width - span)) + rel  # [rows, K]: each logit in `flat`
     return flat[where], ties
 
 
-TREE_ATTENTION_COST = 1 / 1024  # one (query, key) pair of attention, in units of one token through the model
+TREE_ATTENTION_COST = 1 / 256  # one (query, key) pair of attention, in units of one token through the model
 
 
 @dataclass
 class TreeLayout:
-    trees: int  # tree rows
-    segments: list[tuple[int, int, int]]  # per segment (a context and some of its rows): tree row, context, column
-    segment_of: list[int]  # per row: its segment
+    """Tree rows of `width` columns: trie tokens from column 0, each tree row's suffixes in its last columns."""
+
+    trees: int
+    width: int
+    span: int  # the most suffix columns of any tree row: the logits kept
+    tokens: list[list[int]]  # [trees][width] trie tokens (0 elsewhere; the suffixes are filled in on the device)
+    positions: list[list[int]]
+    lo: list[list[int]]  # per trie token: its column and the last column of its subtree (-1 elsewhere)
+    hi: list[list[int]]
+    me: list[list[int]]  # per trie token: its column (-1 elsewhere; a suffix's is its context_end)
     tree_of: list[int]  # per row: its tree row
-    start: list[int]  # per row: where its suffix starts in its tree row's suffix columns
-    context_width: int  # context columns per tree row (the fullest one's)
-    span: int  # suffix columns per tree row (the fullest one's)
+    start: list[int]  # per row: the column its suffix starts at
+    context_end: list[int]  # per row: the column of its context's last trie token (-1: the context is the prefix)
 
 
-def _tree_layout(inverse: list[int], lengths: list[int], ctx_len: list[int], prefix: int) -> TreeLayout:
-    """The rows laid out over 1, 2, 4, ... tree rows, the cheapest by a token-count model: fewer, longer tree rows
-    run each context fewer times, but attention grows with the square of a row's length. The search stops once
-    there are as many tree rows as contexts and the cost grows."""
-    contexts = len(set(inverse))
-    best, best_cost, trees = None, float("inf"), 1
+def _tree_layout(tails: list[tuple[int, ...]], inverse: list[int], lengths: list[int], prefix: int) -> TreeLayout:
+    """Contexts in sorted order (neighbours share the most) with their rows, filled into tree rows of a width
+    budget; of the budgets tried, the cheapest by a token-count model: wider tree rows share more of the trie
+    and pad less, but attention grows with the square of a row's length."""
+    order = sorted(range(len(tails)), key=lambda u: tails[u])
+    rows_of: dict[int, list[int]] = {}
+    for r, u in enumerate(inverse):
+        rows_of.setdefault(u, []).append(r)
+    order = [u for u in order if u in rows_of]
+    biggest = max(len(tails[u]) + max(lengths[r] for r in rows_of[u]) for u in order)
+    best, best_cost, budget = None, float("inf"), biggest
     while True:
-        layout = _pack(inverse, lengths, ctx_len, trees)
-        length = layout.context_width + layout.span
-        cost = layout.trees * length * (1 + (prefix + length) * TREE_ATTENTION_COST)
+        fill = _fill(tails, order, rows_of, lengths, budget)
+        width = max(c + s for c, s, _ in fill)
+        cost = len(fill) * width * (1 + (prefix + width) * TREE_ATTENTION_COST)
         if cost < best_cost:
-            best, best_cost = layout, cost
-        elif trees >= contexts:
-            return best
-        if trees >= len(inverse):
-            return best
-        trees *= 2
+            best, best_cost = fill, cost
+        if len(fill) == 1:
+            return _lay_out(tails, best, lengths, len(inverse), prefix)
+        budget *= 2
 
 
-def _pack(inverse: list[int], lengths: list[int], ctx_len: list[int], trees: int) -> TreeLayout:
-    """Segments (a context and its rows, split where they hold more than a tree row's share of the answers),
-    largest first, each into the tree row it widens least (the least filled among equals)."""
-    share = max(max(lengths), -(-sum(lengths) // trees))
-    segments: list[tuple[int, list[int], int]] = []  # context, rows, suffix tokens
-    open_segment: dict[int, int] = {}  # context -> its segment being filled
-    for r, (u, n) in enumerate(zip(inverse, lengths, strict=True)):
-        k = open_segment.get(u)
-        if k is None or segments[k][2] + n > share:
-            k = open_segment[u] = len(segments)
-            segments.append((u, [], 0))
-        segments[k][1].append(r)
-        segments[k] = (u, segments[k][1], segments[k][2] + n)
-    fill = [[0, 0] for _ in range(min(trees, len(segments)))]  # per tree row: context and suffix columns used
-    widest = [0, 0]
-    placed: list[tuple[int, int, int]] = [(0, 0, 0)] * len(segments)
-    segment_of, tree_of, start = [0] * len(inverse), [0] * len(inverse), [0] * len(inverse)
-    for k in sorted(range(len(segments)), key=lambda k: (-ctx_len[segments[k][0]] - segments[k][2], k)):
-        u, rows, size = segments[k]
-        t = min(
-            range(len(fill)),
-            key=lambda t: (
-                max(widest[0], fill[t][0] + ctx_len[u]) + max(widest[1], fill[t][1] + size),
-                fill[t][0] + fill[t][1],
-                t,
-            ),
-        )
-        placed[k] = (t, u, fill[t][0])
-        at = fill[t][1]
-        for r in rows:
-            segment_of[r], tree_of[r], start[r] = k, t, at
-            at += lengths[r]
-        fill[t] = [fill[t][0] + ctx_len[u], at]
-        widest = [max(widest[0], fill[t][0]), max(widest[1], at)]
-    return TreeLayout(len(fill), placed, segment_of, tree_of, start, widest[0], widest[1])
+def _fill(tails, order, rows_of, lengths, budget) -> list[tuple[int, int, list[tuple[int, list[int]]]]]:
+    """Tree rows as (trie tokens, suffix tokens, [(context, its rows here)]), filled in `order` up to `budget`
+    columns; a context whose rows overflow a tree row continues in the next (its path runs again there)."""
+    fill: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    trie = suffixes = 0
+    members: list[tuple[int, list[int]]] = []
+    last: tuple[int, ...] = ()
+    for u in order:
+        tail = tails[u]
+        new = len(tail) - _common(last, tail) if members else len(tail)
+        here: list[int] = []
+        for r in rows_of[u]:
+            if (members or here) and trie + new + suffixes + lengths[r] > budget:
+                if here:
+                    members.append((u, here))
+                    trie += new
+                fill.append((trie, suffixes, members))
+                trie = suffixes = 0
+                members, here, new = [], [], len(tail)
+            here.append(r)
+            suffixes += lengths[r]
+        members.append((u, here))
+        trie += new
+        last = tail
+    fill.append((trie, suffixes, members))
+    return fill
+
+
+def _common(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _lay_out(tails, fill, lengths: list[int], rows: int, prefix: int) -> TreeLayout:
+    """Each tree row's trie in depth-first order (a parent before its children, a subtree contiguous), its rows'
+    suffixes right-aligned after it."""
+    width = max(c + s for c, s, _ in fill)
+    span = max(s for _, s, _ in fill)
+    tokens, positions = [[0] * width for _ in fill], [[0] * width for _ in fill]
+    lo, hi, me = ([[-1] * width for _ in fill] for _ in range(3))
+    tree_of, start, context_end = [0] * rows, [0] * rows, [-1] * rows
+    for t, (_, suffixes, members) in enumerate(fill):
+        path: list[int] = []  # columns of the current context's tokens, by depth
+        open_: list[int] = []  # columns whose subtree is still open, by depth
+        col, last = 0, ()
+        at = width - suffixes
+        for u, here in members:
+            tail = tails[u]
+            keep = _common(last, tail) if path or last else 0
+            keep = min(keep, len(path))
+            for c in open_[keep:]:
+                hi[t][c] = col - 1
+            del path[keep:], open_[keep:]
+            for d in range(keep, len(tail)):
+                tokens[t][col], positions[t][col] = tail[d], prefix + d
+                lo[t][col] = me[t][col] = col
+                path.append(col)
+                open_.append(col)
+                col += 1
+            last = tail
+            end = path[len(tail) - 1] if tail else -1
+            for r in here:
+                tree_of[r], start[r], context_end[r] = t, at, end
+                at += lengths[r]
+        for c in open_:
+            hi[t][c] = col - 1
+    return TreeLayout(len(fill), width, span, tokens, positions, lo, hi, me, tree_of, start, context_end)
 
 
 def _arange(start: int, end: int, like: torch.Tensor) -> torch.Tensor:

@@ -577,14 +577,15 @@ def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
 
 
 def _prompts(samples: list[Sample]) -> tuple[list[int], list[int]]:
-    """Per sample, a key of its prompt (the tokens before its first loss token: equal prompts, equal keys) and
-    the prompt's length."""
-    keys, lengths = [], []
+    """Per sample, its prompt's rank in sorted order (equal prompts, equal keys; neighbouring keys share the most
+    tokens, which the trainer then runs once) and the prompt's length. A prompt is the tokens before the first
+    loss token."""
+    prompts = []
     for s in samples:
         first = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
-        keys.append(hash(tuple(s.token_ids[:first])))
-        lengths.append(first)
-    return keys, lengths
+        prompts.append(tuple(s.token_ids[:first]))
+    rank = {p: k for k, p in enumerate(sorted(set(prompts)))}
+    return [rank[p] for p in prompts], [len(p) for p in prompts]
 
 
 def _with_reward(s: Sample, reward: float) -> Sample:
