@@ -165,9 +165,11 @@ def test_shard_and_micro_batches() -> None:
     # Equal lengths, prompts A B A B A B: each micro-batch of 3 holds one prompt only (run once by the trainer).
     same = micro_batches(range(6), [10] * 6, budget=30, layout="pad", prompts=[7, 9] * 3)
     assert same == [[0, 2, 4], [1, 3, 5]]
-    # A trainer that runs each distinct prompt once: a prompt costs its 10 tokens once, each row its 2 after it.
-    shared = micro_batches(range(6), [12] * 6, budget=30, layout="pad", prompts=[7, 9] * 3, prompt_lengths=[10] * 6)
-    assert shared == [[0, 2, 4, 1, 3], [5]]  # 12 + 2 + 2, + 12 + 2 = 30; then a new micro-batch
+    # A trainer that runs the tokens prompts share once: a prompt costs what it adds to the micro-batch's trie
+    # (its 10 tokens, or 4 after the 6 it shares with the previous prompt), each row its 2 tokens after it.
+    a, b = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10), (1, 2, 3, 4, 5, 6, 17, 18, 19, 20)
+    shared = micro_batches(range(6), [12] * 6, budget=24, layout="pad", prompts=[0, 1] * 3, prompt_tokens=[a, b] * 3)
+    assert shared == [[0, 2, 4, 1, 3], [5]]  # 12 + 2 + 2, + (12 - 6) + 2 = 24; then a new micro-batch
 
 
 def test_collate_layouts() -> None:

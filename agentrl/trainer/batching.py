@@ -33,20 +33,20 @@ def micro_batches(
     budget: int,
     layout: str,
     prompts: Sequence[int] | None = None,
-    prompt_lengths: Sequence[int] | None = None,
+    prompt_tokens: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """Group `indices` into micro-batches of at most `budget` tokens (padded tokens for `pad`).
 
     Samples are taken by length (least padding); among equal lengths, samples with the same `prompts` key sit
     together, so that a micro-batch holds a repeated prompt as often as it can (the trainer runs it once).
-    With `prompt_lengths` (`pad` only: the trainer runs each distinct prompt of a micro-batch once, and lays the
-    rest out with little padding), a micro-batch costs its distinct prompts once plus every row's tokens after
-    its prompt, and samples are taken prompt by prompt: a 128-episode step-wise Sokoban batch then trains in one
-    micro-batch per mini-batch instead of three (every extra pass repeats the shared tokens and the per-call work).
+    With `prompt_tokens` (`pad` only: the trainer runs the tokens a micro-batch's prompts share once), samples
+    are taken in `prompts` order (the trainer's keys sort the prompts, so neighbours share the most tokens) and
+    a micro-batch costs the tokens of its prompts' trie plus every row's tokens after its prompt: a step-wise
+    batch then trains in fewer micro-batches (every extra pass repeats the shared tokens and the per-call work).
     A sample longer than the budget gets a micro-batch of its own.
     """
-    if prompt_lengths is not None and prompts is not None:
-        return _shared_prompt_micro_batches(indices, lengths, budget, prompts, prompt_lengths)
+    if prompt_tokens is not None and prompts is not None:
+        return _shared_prompt_micro_batches(indices, lengths, budget, prompts, prompt_tokens)
     order = sorted(indices, key=lambda i: (lengths[i], prompts[i] if prompts else 0, i))
     out: list[list[int]] = []
     cur: list[int] = []
@@ -65,24 +65,43 @@ def micro_batches(
 
 
 def _shared_prompt_micro_batches(
-    indices: Sequence[int], lengths: Sequence[int], budget: int, prompts: Sequence[int], prompt_lengths: Sequence[int]
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    budget: int,
+    prompts: Sequence[int],
+    prompt_tokens: Sequence[Sequence[int]],
 ) -> list[list[int]]:
-    order = sorted(indices, key=lambda i: (prompt_lengths[i], prompts[i], lengths[i], i))
     out: list[list[int]] = []
     cur: list[int] = []
-    seen: set[int] = set()
+    last = -1  # the micro-batch's last prompt key (in sorted order, its prompt shares the most with the next)
     cost = 0
-    for i in order:
-        n = lengths[i] - (prompt_lengths[i] if prompts[i] in seen else 0)
+    for i in sorted(indices, key=lambda i: (prompts[i], lengths[i], i)):
+        p = prompt_tokens[i]
+        if not cur:
+            n = lengths[i]
+        elif prompts[i] == last:
+            n = lengths[i] - len(p)
+        else:
+            n = lengths[i] - shared_prefix(prompt_tokens[cur[-1]], p)
         if cur and cost + n > budget:
             out.append(cur)
-            cur, seen, cost, n = [], set(), 0, lengths[i]
+            cur, cost, n = [], 0, lengths[i]
         cur.append(i)
-        seen.add(prompts[i])
+        last = prompts[i]
         cost += n
     if cur:
         out.append(cur)
     return out
+
+
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens `a` and `b` start with in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def collate(

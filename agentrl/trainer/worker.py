@@ -196,10 +196,11 @@ class TrainerRank(WeightPublisher):
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
             mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
-        keys, prompt_lengths = _prompts(samples)
-        if not shared or self.tc.packing != "pad":
-            prompt_lengths = None
-        mbs = micro_batches(mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, prompt_lengths)
+        keys, prompts = _prompts(samples)
+        shares = shared and self.tc.packing == "pad"
+        mbs = micro_batches(
+            mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, prompts if shares else None
+        )
         n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
 
@@ -576,16 +577,16 @@ def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
     return loss, {"loss": loss, "correct": correct}
 
 
-def _prompts(samples: list[Sample]) -> tuple[list[int], list[int]]:
+def _prompts(samples: list[Sample]) -> tuple[list[int], list[tuple[int, ...]]]:
     """Per sample, its prompt's rank in sorted order (equal prompts, equal keys; neighbouring keys share the most
-    tokens, which the trainer then runs once) and the prompt's length. A prompt is the tokens before the first
-    loss token."""
+    tokens, which the trainer then runs once) and the prompt. A prompt is the tokens before the first loss
+    token."""
     prompts = []
     for s in samples:
         first = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
         prompts.append(tuple(s.token_ids[:first]))
     rank = {p: k for k, p in enumerate(sorted(set(prompts)))}
-    return [rank[p] for p in prompts], [len(p) for p in prompts]
+    return [rank[p] for p in prompts], prompts
 
 
 def _with_reward(s: Sample, reward: float) -> Sample:
