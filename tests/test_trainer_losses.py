@@ -388,3 +388,49 @@ def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path)
     (lp_plain, g_plain), (lp_shared, g_shared) = run(False), run(True)
     assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
+
+
+def test_contexts_sharing_a_path_or_nested_in_another_share_exactly(tiny_model_path) -> None:
+    """The trie case: contexts that share their first tokens after the common prefix, one context that is the
+    start of another (its end is an inner node of the trie), and repeats. Log-probs and gradients equal the plain
+    pass, and the shared tokens run once."""
+    from agentrl.trainer import model as M
+    from agentrl.trainer import prompt_sharing as PS
+
+    torch.manual_seed(0)
+    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    prefix, grid = [3 + (7 * j) % 50 for j in range(24)], [60 + (5 * j) % 40 for j in range(12)]
+    a = prefix + grid  # a state
+    nested = [*a, 120, 121, 122]  # the same state with a "(visit k)" line: `a` is its start
+    sibling = [*prefix, *grid[:6], 130, 131, 132, 133, 134, 135]  # the lower rows differ
+    other = [*prefix, *range(140, 152)]  # another level
+    contexts = [a, nested, a, sibling, nested, sibling, other]
+    answers = [[200, 201, 2], [202, 2], [203, 204, 205, 2], [200, 2], [207, 208, 2], [1, 2], [209, 2]]
+    toks = [x + y for x, y in zip(contexts, answers, strict=True)]
+    masks = [[0] * len(x) + [1] * len(y) for x, y in zip(contexts, answers, strict=True)]
+    batch = collate(toks, {"loss_mask": masks}, "pad", 0)
+    plan = PS.plan_sharing(batch)
+    assert plan is not None and plan.prefix == 24 and plan.contexts.shape[0] == 4
+    # each row's context stops before its last prompt token: tails of 11 (a), 14 (nested), 11 and 11 tokens
+    ctx_len = (plan.context_mask.sum(dim=1) - 24).tolist()
+    tails = [tuple(row[24 : 24 + k]) for row, k in zip(plan.contexts.tolist(), ctx_len, strict=True)]
+    suffix = (batch["attention_mask"].sum(dim=1) - plan.cuts).tolist()
+    lay = PS._tree_layout(tails, plan.inverse.tolist(), suffix, 24)
+    assert sum(1 for row in lay.lo for c in row if c >= 0) == 14 + 5 + 11  # not 11 + 14 + 11 + 11
+
+    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        old = PS.MIN_SHARED_TOKENS
+        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
+        try:
+            lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
+            (lp * batch["loss_mask"]).sum().backward()
+        finally:
+            PS.MIN_SHARED_TOKENS = old
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return lp.detach(), grads
+
+    (lp_plain, g_plain), (lp_shared, g_shared) = run(False), run(True)
+    assert bool((lp_plain[batch["loss_mask"] > 0] < 0).all())
+    assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
