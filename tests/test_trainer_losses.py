@@ -373,19 +373,10 @@ def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path)
     plan = PS.plan_sharing(batch)
     assert plan is not None and plan.prefix == 0 and plan.contexts.shape[0] == 3
 
-    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        old = PS.MIN_SHARED_TOKENS
-        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
-        try:
-            lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
-            (lp * batch["loss_mask"]).sum().backward()
-        finally:
-            PS.MIN_SHARED_TOKENS = old
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return lp.detach(), grads
-
-    (lp_plain, g_plain), (lp_shared, g_shared) = run(False), run(True)
+    (lp_plain, g_plain), (lp_shared, g_shared) = (
+        _logprobs_and_grads(model, batch, False),
+        _logprobs_and_grads(model, batch, True),
+    )
     assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
 
@@ -418,19 +409,27 @@ def test_contexts_sharing_a_path_or_nested_in_another_share_exactly(tiny_model_p
     lay = PS._tree_layout(tails, plan.inverse.tolist(), suffix, 24)
     assert sum(1 for row in lay.lo for c in row if c >= 0) == 14 + 5 + 11  # not 11 + 14 + 11 + 11
 
-    def run(share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        old = PS.MIN_SHARED_TOKENS
-        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
-        try:
-            lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
-            (lp * batch["loss_mask"]).sum().backward()
-        finally:
-            PS.MIN_SHARED_TOKENS = old
-        grads = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return lp.detach(), grads
-
-    (lp_plain, g_plain), (lp_shared, g_shared) = run(False), run(True)
+    (lp_plain, g_plain), (lp_shared, g_shared) = (
+        _logprobs_and_grads(model, batch, False),
+        _logprobs_and_grads(model, batch, True),
+    )
     assert bool((lp_plain[batch["loss_mask"] > 0] < 0).all())
     assert torch.allclose(lp_plain, lp_shared, atol=1e-5)
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
+
+
+def _logprobs_and_grads(model, batch: dict, share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Log-probs of `batch` and every parameter's gradient of their sum, with prompt sharing on or off."""
+    from agentrl.trainer import model as M
+    from agentrl.trainer import prompt_sharing as PS
+
+    old = PS.MIN_SHARED_TOKENS
+    PS.MIN_SHARED_TOKENS = 16 if share else 10_000
+    try:
+        lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
+        (lp * batch["loss_mask"]).sum().backward()
+    finally:
+        PS.MIN_SHARED_TOKENS = old
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return lp.detach(), grads

@@ -126,6 +126,7 @@ class _RLBatch:
     fields: dict[str, dict[int, list[float]]]  # per-token loss inputs of this rank's samples, by sample index
     model_tokens: list[int]  # per sample: tokens the loss can weigh (loss-mask tokens after the first)
     episode_w: list[float] | None  # per sample, episode_mean only: 1 / model tokens of its episode
+    prompts: tuple[list[int], list[tuple[int, ...]]]  # `_prompts(samples)`, for every mini-batch's plan
 
 
 class TrainerRank(WeightPublisher):
@@ -189,17 +190,23 @@ class TrainerRank(WeightPublisher):
 
     # ---- batch plumbing ------------------------------------------------------------------------------------
 
-    def _plan(self, samples: list[Sample], mine: list[int] | None = None, shared: bool = False) -> list[list[int]]:
+    def _plan(
+        self,
+        samples: list[Sample],
+        mine: list[int] | None = None,
+        shared: bool = False,
+        prompts: tuple[list[int], list[tuple[int, ...]]] | None = None,
+    ) -> list[list[int]]:
         """This rank's micro-batches (of its data-parallel shard, or of `mine`), padded with empty ones to the max
         count over ranks (collectives). `shared`: every pass over them runs repeated prompts once (the budget
-        then counts a prompt once, not once per row)."""
+        then counts a prompt once, not once per row). `prompts`: `_prompts(samples)`, when the step has it."""
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
             mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
-        keys, prompts = _prompts(samples)
+        keys, tokens = prompts or _prompts(samples)
         shares = shared and self.tc.packing == "pad"
         mbs = micro_batches(
-            mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, prompts if shares else None
+            mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, tokens if shares else None
         )
         n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
@@ -349,7 +356,8 @@ class TrainerRank(WeightPublisher):
         """Under the weights from before this step: the micro-batch plan, the proximal / reference log-probs
         and values, advantages, and every per-token input of the loss."""
         alg = self.alg
-        mbs = self._plan(samples, shared=self._shares_prompts(grad=False))
+        prompts = _prompts(samples)
+        mbs = self._plan(samples, shared=self._shares_prompts(grad=False), prompts=prompts)
         mine = [i for mb in mbs for i in mb]
         self.model.eval()
         prox = self._logprob_pass(self.model, samples, mbs) if alg.loss == "decoupled_ppo" else None
@@ -371,7 +379,7 @@ class TrainerRank(WeightPublisher):
         episode_w = self._episode_token_weights(samples, model_tokens) if alg.loss_agg == "episode_mean" else None
         if episode_w is not None:
             fields["token_weight"] = {i: [episode_w[i]] * len(samples[i].token_ids) for i in mine}
-        return _RLBatch(samples, mine, fields, model_tokens, episode_w)
+        return _RLBatch(samples, mine, fields, model_tokens, episode_w, prompts)
 
     def _optimize(self, rl: _RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
         """`ppo_epochs` x `mini_batches` optimizer steps; returns the loss sums over all ranks, and each step's
@@ -385,7 +393,7 @@ class TrainerRank(WeightPublisher):
                 self.opt.zero_grad()
                 if self.critic is not None:
                     self.critic_opt.zero_grad()
-                mbs = self._plan(rl.samples, part, shared=self._shares_prompts(grad=True))
+                mbs = self._plan(rl.samples, part, shared=self._shares_prompts(grad=True), prompts=rl.prompts)
                 rows = self.backend.forward_backward(
                     self.model, self._micro_batches(rl.samples, mbs, rl.fields), partial(self._rl_loss, denom=denom),
                     with_entropy=True, entropy_grad=self.alg.entropy_coef > 0,
