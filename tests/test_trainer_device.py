@@ -190,6 +190,59 @@ def test_real_step_collectives_run_on_cpu_over_gloo(cpu_rank, strict, monkeypatc
     assert rl["train/model_tokens"] == sum(sum(s.loss_mask[1:]) for s in samples)
 
 
+def test_zero_advantage_samples_are_skipped_and_the_step_is_unchanged(cpu_rank, monkeypatch) -> None:
+    """One of four groups returned the same for every episode: GRPO gives its samples advantage 0 on every
+    token, so (no KL or entropy term) their loss and gradient are exactly 0 and train_step skips them. The
+    weights after the step (2 mini-batches, episode_mean) must equal those of a step that runs every sample:
+    the skipped samples keep their share of the denominators."""
+    import copy
+
+    samples = _samples(12, seed=5)
+    for i in (0, 1, 2):  # group g0; it shares a mini-batch with another group, whose denominator counts it
+        samples[i].reward = -1.4  # not exact in binary: the group mean must not leave an ulp behind
+    for i in (4, 7, 10):  # in g1-g3 no sample's reward equals its group's mean (advantage 0)
+        samples[i].reward = 5.0
+    monkeypatch.setattr(cpu_rank.alg, "mini_batches", 2)
+    monkeypatch.setattr(cpu_rank.alg, "loss_agg", "episode_mean")
+    optim = cpu_rank.tc.optim.model_copy(update={"lr": 1e-3, "eps": 1e-4})  # eps: see test_trainer_ranks._cfg
+    model, version = cpu_rank.model, cpu_rank.version
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    initial = [p.detach().full_tensor().clone() for p in model.parameters()]
+
+    real_plan = cpu_rank._plan
+
+    def step(skip: bool) -> tuple[dict[str, float], list[torch.Tensor], set[int]]:
+        cpu_rank.opt = cpu_rank.backend.optimizer(model, 10, optim)
+        trained: set[int] = set()  # the samples the optimizer steps' micro-batches hold
+
+        def plan(batch, mine=None, **kw):
+            mbs = real_plan(batch, mine, **kw)
+            if mine is not None:
+                trained.update(i for mb in mbs for i in mb)
+            return mbs
+
+        cpu_rank._plan = plan
+        if not skip:
+            cpu_rank._without_gradient = lambda batch: set()
+        try:
+            metrics = cpu_rank.train_step(copy.deepcopy(samples))
+        finally:
+            vars(cpu_rank).pop("_without_gradient", None)
+            vars(cpu_rank).pop("_plan")
+        weights = [p.detach().full_tensor().clone() for p in model.parameters()]
+        model.load_state_dict(start)
+        cpu_rank.version = version
+        return metrics, weights, trained
+
+    skipped, w_skip, trained = step(skip=True)
+    full, w_full, all_trained = step(skip=False)
+    assert trained == set(range(3, 12)) and all_trained == set(range(12))
+    assert skipped["train/zero_advantage_frac"] == pytest.approx(0.25) and full["train/zero_advantage_frac"] == 0
+    assert skipped["train/pg_loss"] == pytest.approx(full["train/pg_loss"], rel=1e-5, abs=1e-7)
+    assert max(float((a - b).abs().max()) for a, b in zip(w_full, initial, strict=True)) > 1e-4  # the step moved
+    assert all(torch.allclose(a, b, atol=1e-7, rtol=0) for a, b in zip(w_skip, w_full, strict=True))
+
+
 # ---- (c) device RNG in checkpoints ---------------------------------------------------------------------------
 
 

@@ -38,6 +38,14 @@ def test_rloo_and_reinforce_pp() -> None:
     assert A.reinforce_pp([1.0, 2.0, 3.0]) == pytest.approx([-1 / s, 0.0, 1 / s], abs=1e-5)
 
 
+def test_equal_rewards_give_exactly_zero_advantages() -> None:
+    """-1.4 is not exact in binary: three copies' mean is off by an ulp, which dividing by the tiny std turned into
+    ~2e-10. Exact zeros are what lets the trainer skip such a group's samples."""
+    r, g = [-1.4] * 3 + [0.3, 0.3], ["a"] * 3 + ["b"] * 2
+    assert A.grpo(r, g) == [0.0] * 5 and A.grpo(r, g, use_std=False) == [0.0] * 5
+    assert A.rloo(r, g) == [0.0] * 5 and A.reinforce_pp([-1.4] * 3) == [0.0] * 3
+
+
 def test_discounted_returns_and_gae() -> None:
     assert A.discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
     adv, ret = A.gae(torch.tensor([0.0, 1.0]), torch.tensor([0.5, 0.5]), gamma=1.0, lam=1.0)

@@ -28,12 +28,16 @@ def _group_index(group_ids: Sequence[str]) -> dict[str, list[int]]:
 def grpo(rewards: Sequence[float], group_ids: Sequence[str], use_std: bool = True) -> list[float]:
     """(r - group mean) / (group std + eps); `use_std=False` is Dr.GRPO's unbiased variant (no std scaling).
 
-    The std is the population std (unbiased=False) so a group of one gets advantage 0, not NaN.
+    The std is the population std (unbiased=False) so a group of one gets advantage 0, not NaN. A group whose
+    rewards are all equal gets exactly 0 (its mean may round off the common value by an ulp, which the tiny std
+    would blow up to ~1e-10): the trainer skips samples whose every advantage is 0.
     """
     r = torch.tensor(rewards, dtype=torch.float64)
     out = torch.zeros_like(r)
     for idx in _group_index(group_ids).values():
         g = r[idx]
+        if bool((g == g[0]).all()):
+            continue
         centred = g - g.mean()
         out[idx] = centred / (g.std(unbiased=False) + EPS) if use_std else centred
     return out.tolist()
@@ -45,9 +49,9 @@ def rloo(rewards: Sequence[float], group_ids: Sequence[str]) -> list[float]:
     out = torch.zeros_like(r)
     for idx in _group_index(group_ids).values():
         n = len(idx)
-        if n < 2:
-            continue
         g = r[idx]
+        if n < 2 or bool((g == g[0]).all()):
+            continue
         out[idx] = g - (g.sum() - g) / (n - 1)
     return out.tolist()
 
@@ -55,7 +59,7 @@ def rloo(rewards: Sequence[float], group_ids: Sequence[str]) -> list[float]:
 def reinforce_pp(rewards: Sequence[float]) -> list[float]:
     """REINFORCE++: no critic, no group baseline; rewards whitened over the whole batch."""
     r = torch.tensor(rewards, dtype=torch.float64)
-    if len(r) < 2:
+    if len(r) < 2 or bool((r == r[0]).all()):
         return [0.0] * len(r)
     return ((r - r.mean()) / (r.std(unbiased=False) + EPS)).tolist()
 
