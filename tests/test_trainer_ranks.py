@@ -141,6 +141,40 @@ def test_one_vs_two_ranks_same_loss_and_weights(one_rank_run, shm, tmp_path_fact
             torch.testing.assert_close(v, s2[k], rtol=0, atol=0)
 
 
+def _uneven_samples() -> list[Sample]:
+    """One long sample (a micro-batch of one row: the plain pass) that fills one rank's shard, and eight short
+    ones repeating one prompt (the shared passes: two model calls) on the other rank."""
+    rng = random.Random(3)
+    long = SYSTEM + [rng.randint(3, 300) for _ in range(300)]
+    prompt = [rng.randint(3, 300) for _ in range(8)]
+    out = [Sample(long, [0] * 30 + [1] * (len(long) - 30), [0.0] * len(long), [0] * len(long), 1.0, "g1", "e0")]
+    for i in range(8):
+        toks = SYSTEM + prompt + [rng.randint(3, 300) for _ in range(6)]
+        mask = [0] * (len(SYSTEM) + len(prompt)) + [1] * 6
+        out.append(Sample(toks, mask, [0.0] * len(toks), [0] * len(toks), float(i % 3), "g1", f"e{i + 1}"))
+    return out
+
+
+def test_ranks_whose_micro_batches_run_different_passes_stay_in_step(ray_session) -> None:
+    """FSDP2's all-gathers pair up only if every rank makes the same model calls per micro-batch. Here one rank's
+    micro-batch is a single row (one call) or padding, the other's shares a prompt (two calls): the ranks agree
+    to run such a micro-batch plain. (Without that this hung.) Log-probs and the step equal one rank's."""
+    results = []
+    for ranks in (1, 2):
+        group = TrainerGroup(_cfg(ranks))
+        try:
+            samples = _uneven_samples()
+            samples = _with_behaviour(samples, group.compute_logprobs(samples))
+            results.append((group.compute_logprobs(samples), group.train_step(samples)))
+        finally:
+            group.shutdown()
+    (lp1, m1), (lp2, m2) = results
+    for a, b in zip(lp1, lp2, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    for key in ("train/loss", "train/entropy", "train/grad_norm"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-4, abs=1e-6), key
+
+
 def _load_initial() -> dict[str, torch.Tensor]:
     return _load(resolve_model_path("builtin:tiny"))
 

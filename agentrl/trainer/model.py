@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from agentrl.trainer.losses import token_logprobs
-from agentrl.trainer.prompt_sharing import plan_sharing, shared_logits
+from agentrl.trainer.prompt_sharing import SharingPlan, plan_sharing, shared_logits
 
 
 def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -125,17 +125,26 @@ def shares_prompts(model: nn.Module, grad: bool) -> bool:
     return _accepts(model, "logits_to_keep") and _accepts(model, "past_key_values") and not recomputes
 
 
-def causal_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
+def sharing_plan(model: nn.Module, batch: dict[str, torch.Tensor]) -> SharingPlan | None:
+    """How `causal_logits` may run `batch`'s repeated prompts once under `model` (None: the plain pass)."""
+    if not shares_prompts(model, torch.is_grad_enabled()):
+        return None
+    return plan_sharing(batch)
+
+
+def causal_logits(
+    model: nn.Module, batch: dict[str, torch.Tensor], positions: torch.Tensor, plan: SharingPlan | None
+) -> torch.Tensor:
     """Logits [rows, len(positions), vocab] at `positions` (sorted) of each row.
 
     Two savings, both exact: the LM head runs only at `positions` (HF's `logits_to_keep`), and prompts rows
-    repeat run once (`prompt_sharing`). Rows get zeros at positions before their first loss token there.
+    repeat run once (`plan`, from `sharing_plan`). Rows get zeros at positions before their first loss token
+    there.
     """
     ids, mask, pos = batch["input_ids"], model_mask(model, batch["attention_mask"]), batch["position_ids"]
     if not _accepts(model, "logits_to_keep"):
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False)
         return out.logits[:, positions]
-    plan = plan_sharing(batch) if shares_prompts(model, torch.is_grad_enabled()) else None
     if plan is None:
         out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False, logits_to_keep=positions)
         return out.logits
@@ -148,16 +157,18 @@ def forward_logprobs(
     with_entropy: bool = False,
     temperature: float = 1.0,
     entropy_grad: bool = True,
+    plan: SharingPlan | str | None = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens.
 
     With a `loss_mask` in the batch only its tokens are computed (every other position holds 0); without, all.
+    `plan`: how to run repeated prompts once ("auto": `sharing_plan`; None: the plain pass).
     """
     ids = batch["input_ids"]
     targets = loss_positions(batch)
     if targets is None:
         targets = torch.arange(1, ids.shape[1], device=ids.device)
-    logits = causal_logits(model, batch, targets - 1)
+    logits = causal_logits(model, batch, targets - 1, sharing_plan(model, batch) if isinstance(plan, str) else plan)
     logp, ent = token_logprobs(logits, ids[:, targets], temperature, with_entropy, entropy_grad)
     if "loss_mask" in batch:  # a column some row trains on holds other rows' non-loss tokens
         keep = batch["loss_mask"][:, targets] > 0

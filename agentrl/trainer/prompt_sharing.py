@@ -99,6 +99,18 @@ def shared_logits(model: nn.Module, batch: dict[str, torch.Tensor], positions: t
     return logits + 0.0 * sum(t.sum() for t in ties) if ties else logits  # FSDP2 unshards for backward from them
 
 
+def model_calls(model: nn.Module, plan: SharingPlan | None) -> int:
+    """Which model calls `shared_logits` makes for `plan`, as a code (0: the plain pass's single call). FSDP2 ranks
+    must make the same calls for a micro-batch: each call all-gathers every layer's parameters, and the
+    collectives of two ranks pair up one by one."""
+    if plan is None:
+        return 0
+    prefix = int(plan.prefix > 0)
+    if _takes_custom_masks(model):
+        return 1 + prefix  # [prefix], tree
+    return 3 + prefix + 2 * int(plan.contexts.shape[1] > plan.prefix)  # [prefix], [contexts], suffixes
+
+
 def _takes_custom_masks(model: nn.Module) -> bool:
     """SDPA (and eager) attention take any [rows, 1, q, k] mask; flash kernels only padding or packed rows."""
     config = getattr(model, "config", None)

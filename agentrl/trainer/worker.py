@@ -390,9 +390,9 @@ class TrainerRank(WeightPublisher):
         denominator, so each step moves the weights exactly as it would with them; `train/entropy` and the clip
         and ratio statistics then cover the trained samples.
 
-        One data-parallel replica only: FSDP2 ranks must run the same model passes per micro-batch (their
-        all-gathers pair up), and skipping on one rank but not another makes their micro-batches (a padding one,
-        a prompt-sharing one) run different passes."""
+        One data-parallel replica only: skipping more samples on one rank than on another leaves their
+        micro-batches (a padding one beside a prompt-sharing one) making different model calls, which FSDP2 ranks
+        then run plain (`FSDP2Backend._agreed_plan`): slower, and larger than the budget assumed."""
         alg = self.alg
         if self.backend.dp_size > 1 or alg.advantage not in SEQUENCE_ADVANTAGES:
             return set()

@@ -18,8 +18,9 @@ from torch import nn
 
 from agentrl.config.schema import OptimConfig
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
-from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values, shares_prompts
+from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values, shares_prompts, sharing_plan
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
+from agentrl.trainer.prompt_sharing import SharingPlan, model_calls
 from agentrl.trainer.sharding import build_sharded
 
 
@@ -82,7 +83,10 @@ class FSDP2Backend(ModelBackend):
                 if isinstance(model, ValueModel):
                     out, ent = forward_values(model, batch), None
                 else:
-                    out, ent = forward_logprobs(model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad)
+                    plan = self._agreed_plan(model, batch)
+                    out, ent = forward_logprobs(
+                        model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad, plan=plan
+                    )
                 if loss_fn is None:
                     results.append(out)
                     continue
@@ -91,6 +95,18 @@ class FSDP2Backend(ModelBackend):
                     (loss * self.dp_size).backward()
                 results.append({k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in sums.items()})
         return results
+
+    def _agreed_plan(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> SharingPlan | None:
+        """The micro-batch's prompt-sharing plan when every rank's makes the same model calls, else the plain
+        pass on all of them. A padding micro-batch (one rank has fewer) or a single row runs plain, a neighbour's
+        shared prompts two or three calls: their all-gathers would pair up wrongly and hang or mix the ranks."""
+        plan = sharing_plan(model, batch)
+        if self.dp_size == 1:
+            return plan
+        code = model_calls(model, plan)
+        both = torch.tensor([code, -code])
+        dist.all_reduce(both, dist.ReduceOp.MAX, group=self.dp_group)  # host data: over gloo
+        return plan if int(both[0]) == -int(both[1]) else None
 
     def weight_metas(self, model, tied):
         return [(k, tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)]
