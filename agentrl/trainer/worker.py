@@ -386,9 +386,9 @@ class TrainerRank(WeightPublisher):
     def _without_gradient(self, samples: list[Sample]) -> set[int]:
         """Samples whose sequence-level advantage is 0 (a GRPO/RLOO group whose episodes all returned the same)
         while the loss has no KL, entropy or value term: their loss and gradient are exactly 0, so the optimizer
-        steps skip their forward and backward (8-30% of a Sokoban run's samples). They keep their share of every
-        denominator, so each step moves the weights exactly as it would with them; `train/entropy` and the clip
-        and ratio statistics then cover the trained samples.
+        steps skip their forward and backward (0-30% of a Sokoban batch, 15% in the median step). They keep
+        their share of every denominator, so each step moves the weights exactly as it would with them;
+        `train/entropy` and the clip and ratio statistics then cover the trained samples.
 
         One data-parallel replica only: skipping more samples on one rank than on another leaves their
         micro-batches (a padding one beside a prompt-sharing one) making different model calls, which FSDP2 ranks
