@@ -223,7 +223,7 @@ def test_zero_advantage_samples_are_skipped_and_the_step_is_unchanged(cpu_rank, 
 
         cpu_rank._plan = plan
         if not skip:
-            cpu_rank._without_gradient = lambda batch: set()
+            cpu_rank._without_gradient = lambda mine, advs: set()
         try:
             metrics = cpu_rank.train_step(copy.deepcopy(samples))
         finally:

@@ -296,20 +296,8 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
     assert plan is not None and plan.prefix == 24
     assert plan.contexts.shape[0] == (3 if repeats else 1)  # distinct prompts
 
-    def grads(share: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        old = PS.MIN_SHARED_TOKENS
-        PS.MIN_SHARED_TOKENS = 16 if share else 10_000
-        try:
-            lp, ent = M.forward_logprobs(model, batch, with_entropy=True)
-            (lp * batch["loss_mask"]).sum().backward()
-        finally:
-            PS.MIN_SHARED_TOKENS = old
-        out = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return lp.detach(), ent.detach(), out
-
-    lp_plain, ent_plain, g_plain = grads(share=False)
-    lp_shared, ent_shared, g_shared = grads(share=True)
+    lp_plain, ent_plain, g_plain = _logprobs_and_grads(model, batch, share=False)
+    lp_shared, ent_shared, g_shared = _logprobs_and_grads(model, batch, share=True)
     assert bool((lp_plain[batch["loss_mask"] > 0] < 0).all())
     outside = batch["loss_mask"] == 0
     assert bool((lp_shared[outside] == 0).all()) and bool((ent_shared[outside] == 0).all())
@@ -381,7 +369,7 @@ def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path)
     plan = PS.plan_sharing(batch)
     assert plan is not None and plan.prefix == 0 and plan.contexts.shape[0] == 3
 
-    (lp_plain, g_plain), (lp_shared, g_shared) = (
+    (lp_plain, _, g_plain), (lp_shared, _, g_shared) = (
         _logprobs_and_grads(model, batch, False),
         _logprobs_and_grads(model, batch, True),
     )
@@ -417,7 +405,7 @@ def test_contexts_sharing_a_path_or_nested_in_another_share_exactly(tiny_model_p
     lay = PS._tree_layout(tails, plan.inverse.tolist(), suffix, 24)
     assert sum(1 for row in lay.lo for c in row if c >= 0) == 14 + 5 + 11  # not 11 + 14 + 11 + 11
 
-    (lp_plain, g_plain), (lp_shared, g_shared) = (
+    (lp_plain, _, g_plain), (lp_shared, _, g_shared) = (
         _logprobs_and_grads(model, batch, False),
         _logprobs_and_grads(model, batch, True),
     )
@@ -426,18 +414,13 @@ def test_contexts_sharing_a_path_or_nested_in_another_share_exactly(tiny_model_p
     assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(g_plain, g_shared, strict=True))
 
 
-def _logprobs_and_grads(model, batch: dict, share: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Log-probs of `batch` and every parameter's gradient of their sum, with prompt sharing on or off."""
+def _logprobs_and_grads(model, batch: dict, share: bool) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Log-probs and entropies of `batch`, and every parameter's (full) gradient of the log-probs' sum, with
+    prompt sharing on (the plan `sharing_plan` finds) or off (the plain pass)."""
     from agentrl.trainer import model as M
-    from agentrl.trainer import prompt_sharing as PS
 
-    old = PS.MIN_SHARED_TOKENS
-    PS.MIN_SHARED_TOKENS = 16 if share else 10_000
-    try:
-        lp, _ = M.forward_logprobs(model, batch, with_entropy=True)
-        (lp * batch["loss_mask"]).sum().backward()
-    finally:
-        PS.MIN_SHARED_TOKENS = old
-    grads = [p.grad.clone() for p in model.parameters()]
+    lp, ent = M.forward_logprobs(model, batch, with_entropy=True, plan="auto" if share else None)
+    (lp * batch["loss_mask"]).sum().backward()
+    grads = [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    return lp.detach(), grads
+    return lp.detach(), ent.detach(), grads

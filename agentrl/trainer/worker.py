@@ -48,7 +48,6 @@ from agentrl.trainer.weight_publish import WeightPublisher
 from agentrl.types import Sample
 from agentrl.weight_buckets import GroupCache, PackBuffer
 
-SEQUENCE_ADVANTAGES = ("grpo", "grpo_no_std", "rloo", "reinforce_pp")  # one advantage per sample
 RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
            "is_truncated", "value_loss", "skipped")  # fmt: skip
 SFT_SUMS = ("loss", "correct")
@@ -128,7 +127,7 @@ class _RLBatch:
     model_tokens: list[int]  # per sample: tokens the loss can weigh (loss-mask tokens after the first)
     episode_w: list[float] | None  # per sample, episode_mean only: 1 / model tokens of its episode
     prompts: tuple[list[int], list[tuple[int, ...]]]  # `_prompts(samples)`, for every mini-batch's plan
-    no_gradient: set[int]  # the batch's samples whose loss has no gradient (`_without_gradient`)
+    no_gradient: set[int]  # this rank's samples whose loss has no gradient (`_without_gradient`)
 
 
 class TrainerRank(WeightPublisher):
@@ -381,11 +380,11 @@ class TrainerRank(WeightPublisher):
         episode_w = self._episode_token_weights(samples, model_tokens) if alg.loss_agg == "episode_mean" else None
         if episode_w is not None:
             fields["token_weight"] = {i: [episode_w[i]] * len(samples[i].token_ids) for i in mine}
-        return _RLBatch(samples, mine, fields, model_tokens, episode_w, prompts, self._without_gradient(samples))
+        return _RLBatch(samples, mine, fields, model_tokens, episode_w, prompts, self._without_gradient(mine, advs))
 
-    def _without_gradient(self, samples: list[Sample]) -> set[int]:
-        """Samples whose sequence-level advantage is 0 (a GRPO/RLOO group whose episodes all returned the same)
-        while the loss has no KL, entropy or value term: their loss and gradient are exactly 0, so the optimizer
+    def _without_gradient(self, mine: list[int], advs: dict[int, list[float]]) -> set[int]:
+        """This rank's samples whose every advantage is 0 (a GRPO/RLOO group whose episodes all returned the
+        same) while the loss has no KL, entropy or value term: their loss and gradient are exactly 0, so the optimizer
         steps skip their forward and backward (0-30% of a Sokoban batch, 15% in the median step). They keep
         their share of every denominator, so each step moves the weights exactly as it would with them;
         `train/entropy` and the clip and ratio statistics then cover the trained samples.
@@ -394,20 +393,15 @@ class TrainerRank(WeightPublisher):
         micro-batches (a padding one beside a prompt-sharing one) making different model calls, which FSDP2 ranks
         then run plain (`FSDP2Backend._agreed_plan`): slower, and larger than the budget assumed."""
         alg = self.alg
-        if self.backend.dp_size > 1 or alg.advantage not in SEQUENCE_ADVANTAGES:
+        if self.backend.dp_size > 1 or self.critic is not None or self.ref is not None or alg.entropy_coef > 0:
             return set()
-        if self.critic is not None or self.ref is not None or alg.entropy_coef > 0:
-            return set()
-        seq = adv_lib.sequence_advantages(
-            alg.advantage, [s.reward for s in samples], [s.group_id for s in samples], [s.episode_id for s in samples]
-        )
-        return {i for i, a in enumerate(seq) if a == 0.0}
+        return {i for i in mine if not any(advs[i])}
 
     def _optimize(self, rl: _RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
         """`ppo_epochs` x `mini_batches` optimizer steps; returns the loss sums over all ranks, and each step's
         grad norm and lr."""
         sums = RankSums(RL_SUMS, self.backend.dp_group)
-        skipped = float(len(rl.no_gradient.intersection(rl.mine)))
+        skipped = float(len(rl.no_gradient))
         sums.add({"skipped": torch.tensor(skipped, device=self.device)})  # on the device, like every other row
         grad_norms, lrs = [], []
         self.model.train()
