@@ -69,3 +69,54 @@ def test_a_tokenizer_that_strips_around_added_tokens_encodes_whole_texts(tokeniz
     assert ct._cut_at_added is None
     text = "a  <obs>  b"
     assert ct.encode(text) == list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_ids(tok, messages: list[dict]) -> list[int]:
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_whole_prompts_and_deltas_are_spliced_into_the_templates_fixed_text(tokenizer, monkeypatch) -> None:
+    """After its first spot checks, a step-wise prompt (rules + grid) and a delta (the next user turn) are the
+    template's fixed text with the contents spliced in: equal to a real render, without rendering per turn."""
+    ct = ChatTokens(tokenizer)
+    env = make_env("agentrl/SimpleSokoban-v0", mark_revisits=True)
+    rules = env.system_prompt()
+    observations = [env.reset(seed=seed)[0] for seed in range(12)]
+    for obs in observations[:6]:
+        messages = [{"role": "system", "content": rules}, {"role": "user", "content": obs}]
+        assert ct.prompt_ids(messages) == _template_ids(tokenizer, messages)
+        said = "<answer>Up</answer>"  # the model's turn, without its end-of-turn token
+        delta = ct.delta_ids([{"role": "user", "content": obs}], model_ended_with_eos=False)
+        prefix = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + said
+        history = [*messages, {"role": "assistant", "content": said}, {"role": "user", "content": obs}]
+        whole = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        assert delta == list(tokenizer(whole[len(prefix) :], add_special_tokens=False)["input_ids"])
+    assert ct._splices[(True, "system", "user")] is not None and ct._splices[(False, "user")] is not None
+    expected = {
+        obs: _template_ids(tokenizer, [{"role": "system", "content": rules}, {"role": "user", "content": obs}])
+        for obs in observations[6:]
+    }
+
+    def no_render(*args, **kwargs):
+        raise AssertionError("rendered the template for a spliced prompt")
+
+    monkeypatch.setattr(tokenizer, "apply_chat_template", no_render)
+    for obs in observations[6:]:
+        messages = [{"role": "system", "content": rules}, {"role": "user", "content": obs}]
+        assert ct.prompt_ids(messages) == expected[obs]
+
+
+def test_a_template_that_trims_contents_renders_every_prompt(tokenizer) -> None:
+    """Splicing would keep the spaces this template strips: it is detected up front and the template renders."""
+    from copy import deepcopy
+
+    tok = deepcopy(tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    ct = ChatTokens(tok)
+    messages = [{"role": "system", "content": "  rules  "}, {"role": "user", "content": "\n#### \n"}]
+    assert ct.prompt_ids(messages) == _template_ids(tok, messages)
+    assert ct._splices[(True, "system", "user")] is None

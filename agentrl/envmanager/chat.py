@@ -4,15 +4,16 @@ The model's tokens are never re-tokenised. After a model turn we append only the
 between that turn and the next generation prompt (for ChatML: "\n<|im_start|>user\n...<|im_end|>\n<|im_start|>
 assistant\n"), computed by rendering a conversation with a placeholder assistant turn and taking the suffix.
 
-Per turn this is the env manager's largest own cost after the Ray call, so the delta's fixed text is rendered once
-per sequence of roles (with placeholder contents) and each turn only splices the contents in; the template is
-rendered for real whenever splicing is not provably the same (contents it trims, escapes or branches on), and spot-
-checked against a real render every `_RECHECK_EVERY` deltas.
+Per turn this is the env manager's largest own cost after the Ray call, so the template's fixed text (a delta's, or
+a whole step-wise prompt's) is rendered once per sequence of roles (with placeholder contents) and each turn only
+splices the contents in; the template is rendered for real whenever splicing is not provably the same (contents it
+trims, escapes or branches on), and spot-checked against a real render every `_RECHECK_EVERY` uses.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 _PLACEHOLDER = "\x00AGENTRL_TURN\x00"
@@ -41,8 +42,9 @@ class ChatTokens:
         self._closed = self._render(self._base)
         self._turn_tail = self._closed[self._closed.index(_PLACEHOLDER) + len(_PLACEHOLDER) :]
         self._eos_text = tokenizer.eos_token or ""
-        self._splices: dict[tuple[str, ...], list[str] | None] = {}  # roles -> fixed texts around the contents
-        self._uses: dict[tuple[str, ...], int] = {}
+        # (whole conversation?, roles...) -> fixed texts around the contents, None where a splice is not exact
+        self._splices: dict[tuple, list[str] | None] = {}
+        self._uses: dict[tuple, int] = {}
         self._encoded: dict[str, tuple[int, ...]] = {}
         self._fast = self._fast_encoder()
         self._added_ids: dict[str, int] = {}
@@ -134,8 +136,8 @@ class ChatTokens:
         return ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The whole conversation so far, ending in the generation prompt."""
-        return self.encode(self._render(messages, generation_prompt=True))
+        """The whole conversation so far, ending in the generation prompt (a step-wise turn's whole prompt)."""
+        return self.encode(self._spliced(messages, whole=True))
 
     def delta_ids(self, new_messages: list[dict], model_ended_with_eos: bool) -> list[int]:
         """Tokens to append after a model turn so the history equals the template render of the conversation
@@ -147,18 +149,28 @@ class ChatTokens:
 
     def _new_text(self, new_messages: list[dict]) -> str:
         """What the template writes for `new_messages` and the generation prompt after the closed base."""
+        return self._spliced(new_messages, whole=False)
+
+    def _spliced(self, messages: list[dict], whole: bool) -> str:
+        """The template's text for `messages` with the generation prompt: the whole conversation, or (whole=False)
+        what follows the closed base. Spliced into the fixed texts of this sequence of roles where that is
+        provably the same, else rendered."""
+        render = self._rendered_whole if whole else self._rendered_new
         fixed = None
-        if all(len(m) == 2 and isinstance(m.get("content"), str) and "role" in m for m in new_messages):
-            roles = tuple(m["role"] for m in new_messages)
-            fixed = self._splices[roles] if roles in self._splices else self._splice_parts(roles)
+        if all(len(m) == 2 and isinstance(m.get("content"), str) and "role" in m for m in messages):
+            key = (whole, *(m["role"] for m in messages))
+            fixed = self._splices[key] if key in self._splices else self._splice_parts(key, render)
         if fixed is None:
-            return self._rendered_new(new_messages)
-        text = fixed[0] + "".join(m["content"] + part for m, part in zip(new_messages, fixed[1:], strict=True))
-        uses = self._uses[roles] = self._uses[roles] + 1
-        if (uses <= _FIRST_CHECKS or uses % _RECHECK_EVERY == 0) and text != (real := self._rendered_new(new_messages)):
-            self._splices[roles] = None  # this template treats contents specially: render these roles from now on
+            return render(messages)
+        text = fixed[0] + "".join(m["content"] + part for m, part in zip(messages, fixed[1:], strict=True))
+        uses = self._uses[key] = self._uses[key] + 1
+        if (uses <= _FIRST_CHECKS or uses % _RECHECK_EVERY == 0) and text != (real := render(messages)):
+            self._splices[key] = None  # this template treats contents specially: render these roles from now on
             return real
         return text
+
+    def _rendered_whole(self, messages: list[dict]) -> str:
+        return self._render(messages, generation_prompt=True)
 
     def _rendered_new(self, new_messages: list[dict]) -> str:
         extended = self._render(self._base + new_messages, generation_prompt=True)
@@ -166,12 +178,13 @@ class ChatTokens:
             raise ValueError("chat template is not prefix-stable; cannot append messages as deltas")
         return extended[len(self._closed) :]
 
-    def _splice_parts(self, roles: tuple[str, ...]) -> list[str] | None:
-        """The fixed texts around the contents of messages with these roles, or None when splicing contents into
-        them would not equal the template's own render."""
+    def _splice_parts(self, key: tuple, render: Callable[[list[dict]], str]) -> list[str] | None:
+        """The fixed texts around the contents of messages with the roles in `key`, or None when splicing contents
+        into them would not equal the template's own render."""
+        roles = key[1:]
         parts: list[str] | None = None
         try:
-            text = self._rendered_new([{"role": r, "content": _slot(i)} for i, r in enumerate(roles)])
+            text = render([{"role": r, "content": _slot(i)} for i, r in enumerate(roles)])
             parts = []
             for i in range(len(roles)):
                 before, sep, text = text.partition(_slot(i))
@@ -181,11 +194,11 @@ class ChatTokens:
             parts.append(text)
             for probe in _PROBES:
                 messages = [{"role": r, "content": probe} for r in roles]
-                if parts[0] + "".join(probe + p for p in parts[1:]) != self._rendered_new(messages):
+                if parts[0] + "".join(probe + p for p in parts[1:]) != render(messages):
                     raise ValueError("the template changes contents")
         except Exception:
             parts = None
-        self._splices[roles], self._uses[roles] = parts, 0
+        self._splices[key], self._uses[key] = parts, 0
         return parts
 
     def model_text(self, token_ids: list[int]) -> str:
