@@ -1,8 +1,9 @@
 """The env managers' path to the engines: turns go straight to the episode's engine, many per Ray call.
 
-The router places each episode once (`Router.lease`: sticky, least-loaded) and keeps health, drain, restarts and
-weight updates; the turns then go from the env manager to that engine directly, instead of through the router
-(two Ray hops per turn, and the router's process busy with every token list). Per engine, the client keeps one
+The router places each episode once (`Router.lease`: sticky, least-loaded; the episodes that start together in one
+call, and their releases likewise) and keeps health, drain, restarts and weight updates; the turns then go from
+the env manager to that engine directly, instead of through the router (two Ray hops per turn, and the router's
+process busy with every token list). Per engine, the client keeps one
 `_Channel`: turns queued while a `submit` call is under way go together in the next one, and one `collect` call at
 a time brings back every turn finished meanwhile (`agentrl.rollout.turn_mailbox`, the engine's side). Faults keep
 the router's rules:
@@ -117,6 +118,10 @@ class EngineClient:
         self._fleet: dict[int, tuple[tuple[int, int], bool]] = {}  # index -> (generation, alive), as last polled
         self._channels: dict[tuple[int, tuple[int, int]], _Channel] = {}
         self._poller: asyncio.Task | None = None
+        self._leasing: dict[str, asyncio.Future] = {}  # episodes waiting for the next lease call
+        self._leaser: asyncio.Task | None = None
+        self._released: list[str] = []  # episodes over, for the next release call
+        self._releaser: asyncio.Task | None = None
 
     async def generate(self, episode_id: str, token_ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         self._ensure_poller()
@@ -146,11 +151,15 @@ class EngineClient:
         return out
 
     def release(self, episode_id: str) -> None:
-        """The episode is over: forget its engine here and at the router."""
+        """The episode is over: forget its engine here and, with the others released in this turn of the event
+        loop, at the router."""
         self._leases.pop(episode_id, None)
-        self.router.release.remote(episode_id)
+        self._released.append(episode_id)
+        if self._releaser is None or self._releaser.done():
+            self._releaser = asyncio.ensure_future(self._release_soon())
 
     async def close(self) -> None:
+        self._send_releases()
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
@@ -163,9 +172,42 @@ class EngineClient:
     async def _lease(self, episode_id: str) -> Lease:
         lease = self._leases.get(episode_id)
         if lease is None or self._void(lease):
-            lease = await self.router.lease.remote(episode_id)
+            waiting = self._leasing.get(episode_id)
+            if waiting is None:
+                waiting = self._leasing[episode_id] = asyncio.get_running_loop().create_future()
+                if self._leaser is None or self._leaser.done():
+                    self._leaser = asyncio.ensure_future(self._lease_queued())
+            lease = await waiting
             self._leases[episode_id] = lease
         return lease
+
+    async def _lease_queued(self) -> None:
+        """One router call for every episode that asked for a lease in this turn of the event loop (a group's
+        episodes start together)."""
+        await asyncio.sleep(0)
+        while self._leasing:
+            batch, self._leasing = self._leasing, {}
+            self._send_releases()  # an episode released before these leases is forgotten before they are placed
+            try:
+                leases = await self.router.lease.remote(list(batch))
+            except Exception as err:  # e.g. no live engine: every episode in the call retries as it did alone
+                leases = [err] * len(batch)
+            for fut, lease in zip(batch.values(), leases, strict=True):
+                if fut.done():  # its episode was cancelled meanwhile; the manager releases it
+                    continue
+                if isinstance(lease, BaseException):
+                    fut.set_exception(lease)
+                else:
+                    fut.set_result(lease)
+
+    async def _release_soon(self) -> None:
+        await asyncio.sleep(0)  # a group's episodes end together: one call
+        self._send_releases()
+
+    def _send_releases(self) -> None:
+        if self._released:
+            ids, self._released = self._released, []
+            self.router.release.remote(ids)
 
     def _void(self, lease: Lease) -> bool:
         """Whether the last poll saw the lease's engine drained or replaced. A lease newer than the poll (made
