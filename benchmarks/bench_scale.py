@@ -4,11 +4,11 @@ Usage: python benchmarks/bench_scale.py [--episodes 256 1024 4096 16384] [--mana
        [--turns 8] [--seconds 6] [--max-per-manager 4096] [--profile]
 
 No model: a scripted engine actor (a `GatedEngine` whose "generation" is an asyncio sleep of `--latency-ms`, then a
-fixed answer) is placed by the real router actor (one lease per episode; the turns go from the env manager to the
-engine directly, as in a run), and a trivial registered text env ends after `--turns` turns. The env managers are
-real Ray actors started as `start_managers` starts them, and groups are admitted, put and taken
-through the real `SampleBuffer` on this driver's loop, as `Pipeline.produce` does. The buffer's staleness bound
-keeps exactly `--episodes` episodes in flight.
+fixed answer) is placed by the real router actor (each episode on its own, those starting together in one lease
+call; the turns go from the env manager to the engine directly, as in a run), and a trivial registered text env ends
+after `--turns` turns. The env managers are real Ray actors started as `start_managers` starts them, and groups are
+admitted, put and taken through the real `SampleBuffer` on this driver's loop, as `Pipeline.produce` does. The
+buffer's staleness bound keeps exactly `--episodes` episodes in flight.
 
 Per cell, after a warm-up (every episode has had a turn), over a `--seconds` window:
 - turns_per_s: engine requests served per second (one per model turn).
