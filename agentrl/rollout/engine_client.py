@@ -1,12 +1,11 @@
 """The env managers' path to the engines: turns go straight to the episode's engine, many per Ray call.
 
 The router places each episode once (`Router.lease`: sticky, least-loaded; the episodes that start together in one
-call, and their releases likewise) and keeps health, drain, restarts and weight updates; the turns then go from
-the env manager to that engine directly, instead of through the router (two Ray hops per turn, and the router's
-process busy with every token list). Per engine, the client keeps one
-`_Channel`: turns queued while a `submit` call is under way go together in the next one, and one `collect` call at
-a time brings back every turn finished meanwhile (`agentrl.rollout.turn_mailbox`, the engine's side). Faults keep
-the router's rules:
+call, and their releases likewise) and keeps health, drain, restarts and weight updates; the turns then go from the
+env manager to that engine directly, instead of through the router (two Ray hops per turn, and the router's process
+busy with every token list). Per engine, the client keeps one `_Channel`: turns queued while a `submit` call is
+under way go together in the next one, and one `collect` call at a time brings back every turn finished meanwhile
+(`agentrl.rollout.turn_mailbox`, the engine's side). Faults keep the router's rules:
 
 - a dead actor or core found by a call is reported to the router (`report_death`), which drains and restarts
   it like one its own health loop found; the turn fails with RetryableEngineError, and the retry is placed anew;

@@ -193,7 +193,7 @@ class Router:
     async def lease(self, episode_ids: list[str]) -> list[Lease]:
         """Each episode's engine, placed one by one as before, for a direct client (agentrl.rollout.engine_client)
         to send its turns to. Clients ask for many episodes per call: one call per episode (and one per release)
-        was ~1/8 of an env manager's CPU and most of this actor's."""
+        was ~1/8 of an env manager's CPU and most of this actor's calls."""
         self._ensure_health_loop()
         leases = []
         for episode_id in episode_ids:

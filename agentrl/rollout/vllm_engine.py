@@ -29,9 +29,9 @@ from agentrl.rollout.turn_mailbox import TurnMailbox
 
 
 def _prompt_form() -> Any:
-    """Token ids as vLLM's rendered engine input where the installed vLLM has one (0.32 and later): AsyncLLM then
-    validates the request in line, where a raw prompt first goes through its renderer on a thread pool, ~15% of
-    this actor's CPU per short request. Older releases take the raw TokensPrompt dict."""
+    """Token ids as vLLM's rendered engine input where the installed vLLM has one (0.32 has): AsyncLLM then
+    validates the request in line, where a raw prompt first goes through its renderer on a thread pool (a sixth of
+    this actor's samples in a profile of a run). Older releases take the raw TokensPrompt dict."""
     try:
         from vllm.inputs import tokens_input
     except ImportError:
@@ -70,8 +70,8 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
             enable_prefix_caching=True,
-            # vLLM's throughput log and Prometheus counters, updated per request and per engine step: ~8% of this
-            # actor's CPU at ~1,500 short requests per RL step, and nothing here reads them.
+            # vLLM's throughput log and Prometheus counters, updated per request and per engine step (~8% of this
+            # actor's samples in a profile of a run, at ~1,500 short requests per RL step): nothing here reads them.
             disable_log_stats=True,
             worker_extension_cls="agentrl.rollout.vllm_worker.AgentrlWorkerExtension",
             # vLLM-CPU's default 128-token KV blocks are larger than a whole step-wise prompt, so the shared system
