@@ -79,7 +79,8 @@ def test_the_card_command_runs_from_a_wheel_install_in_an_empty_directory(tmp_pa
     example = str(wheel_site / "agentrl" / "examples" / "agentic_sokoban.yaml")
     # every line fits, but the one announcing the resolved config: a path is printed whole, or it is no use
     lines = [line for line in (res.stdout + res.stderr).splitlines() if example not in line]
-    assert not any("\x1b[" in line or "━" in line for line in lines)  # plain lines in a log
+    styled = [line for line in lines if "\x1b[" in line or "━" in line]
+    assert not styled, styled  # plain lines in a log
     assert all(len(line) <= WIDTH for line in lines), [line for line in lines if len(line) > WIDTH]
     for words in ("started Ray", "warm start: SFT", "demo samples", "validation at step 0: success", "step 1/2  ETA",
                   "step 2/2", "validation at step 2: success", "best step", "resume"):  # fmt: skip
