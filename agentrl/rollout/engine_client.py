@@ -119,8 +119,7 @@ class EngineClient:
         self._poller: asyncio.Task | None = None
         self._leasing: dict[str, asyncio.Future] = {}  # episodes waiting for the next lease call
         self._leaser: asyncio.Task | None = None
-        self._released: list[str] = []  # episodes over, for the next release call
-        self._releaser: asyncio.Task | None = None
+        self._released: list[str] = []  # episodes over, for the next release call (a group's end together)
 
     async def generate(self, episode_id: str, token_ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         self._ensure_poller()
@@ -153,9 +152,9 @@ class EngineClient:
         """The episode is over: forget its engine here and, with the others released in this turn of the event
         loop, at the router."""
         self._leases.pop(episode_id, None)
+        if not self._released:  # the first this turn of the loop: send them all once the turn's callbacks ran
+            asyncio.get_running_loop().call_soon(self._send_releases)
         self._released.append(episode_id)
-        if self._releaser is None or self._releaser.done():
-            self._releaser = asyncio.ensure_future(self._release_soon())
 
     async def close(self) -> None:
         self._send_releases()
@@ -198,10 +197,6 @@ class EngineClient:
                     fut.set_exception(lease)
                 else:
                     fut.set_result(lease)
-
-    async def _release_soon(self) -> None:
-        await asyncio.sleep(0)  # a group's episodes end together: one call
-        self._send_releases()
 
     def _send_releases(self) -> None:
         if self._released:
