@@ -428,7 +428,7 @@ async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fl
     """Drill: kill -9 one engine's EngineCore process (its Ray actor lives on). update_weights used to raise
     EngineDeadError out of the router; now the engine is drained, counted, restarted and rejoins."""
     _, fleet_engines, _ = vllm_fleet
-    cfg = RolloutConfig(num_engines=2, restart_engines=1, inline_engine_core=False)  # the core in a process of its own
+    cfg = RolloutConfig(num_engines=2, restart_engines=1)
     (victim,) = start_engines(cfg, tiny_model_path, seed=1, count=1)
     # The health loop would find the dead core too, and kill the actor this test polls: this drill is about
     # update_weights meeting the dead core, so the health loop stays out of the way (one round per 60 s).

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
-import ray
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -179,72 +174,3 @@ def test_engine_kwargs_override_derived_settings_and_graphs_follow_the_platform(
     monkeypatch.setattr(platform_for("cuda", 1).__class__, "vllm_env", lambda self, gib=1: {})
     args = vllm_engine.VLLMEngine(tiny_model_path)._engine_args
     assert args["enforce_eager"] is False and args["dtype"] == "bfloat16" and "block_size" not in args
-
-
-def _core_processes(pid: int) -> list[str]:
-    return [p.name() for p in psutil.Process(pid).children(recursive=True) if "EngineCore" in p.name()]
-
-
-async def test_the_cpu_core_runs_inline_and_samples_what_a_core_process_samples(fleet, tiny_model_path):
-    """On CPU the engine core runs inside the engine actor (no EngineCore process to talk to); its greedy tokens
-    and log-probs equal those of a core in its own process (AsyncLLM's, the accelerators' default)."""
-    cfg, engines, _ = fleet
-    (own,) = start_engines(cfg.model_copy(update={"inline_engine_core": False}), tiny_model_path, count=1)
-    try:
-        inline = engines[0]
-        await inline.update_weights.remote(tiny_model_path, (await inline.stats.remote())["version"])
-        assert _core_processes((await inline.health.remote())["pid"]) == []
-        assert _core_processes((await own.health.remote())["pid"]) != []
-        greedy = SamplingConfig(max_tokens=16, temperature=0.0, ignore_eos=True)
-        a, b = await asyncio.gather(
-            inline.generate.remote(PROMPT, greedy, "g0"), own.generate.remote(PROMPT, greedy, "g0")
-        )
-        assert a.token_ids == b.token_ids and len(a.token_ids) == 16
-        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4, (a.logprobs, b.logprobs)
-    finally:
-        ray.kill(own)
-
-
-_BROKEN_STEP = """
-import asyncio, json, sys
-from agentrl.config.schema import SamplingConfig
-from agentrl.rollout.base import EngineDeadError
-from agentrl.rollout.vllm_engine import VLLMEngine
-
-async def main():
-    engine = VLLMEngine(sys.argv[1], inline_core=True)
-    await engine.start()
-    sampling = SamplingConfig(max_tokens=4, temperature=1.0, ignore_eos=True)
-    report = {"before": len((await engine.generate([5, 6, 7, 8], sampling, "ok")).token_ids)}
-
-    def broken_step():
-        raise RuntimeError("simulated kernel failure")
-
-    engine._llm._engine.step = broken_step
-    for name in ("doomed", "after"):
-        try:
-            await asyncio.wait_for(engine.generate([5, 6, 7, 8], sampling, name), 30)
-            report[name] = "served"
-        except EngineDeadError as err:
-            report[name] = str(err)
-    report["health"] = await engine.health()
-    engine.shutdown()
-    print(json.dumps(report))
-
-asyncio.run(main())
-"""
-
-
-def test_a_failed_inline_engine_step_is_the_core_s_death(tiny_model_path):
-    """An exception in an inline engine step ends the core as the death of vLLM's own core process does: the
-    waiting request and every later one fail with EngineDeadError and health says dead, so the router restarts
-    the engine. (In a subprocess: an engine built in the test process would keep vLLM's process group there.)"""
-    proc = subprocess.run(
-        [sys.executable, "-c", _BROKEN_STEP, tiny_model_path], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert report["before"] == 4
-    assert "simulated kernel failure" in report["doomed"], report
-    assert report["after"].startswith("vLLM"), report
-    assert report["health"]["dead"] and not report["health"]["ok"], report

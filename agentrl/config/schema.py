@@ -149,11 +149,6 @@ class RolloutConfig(Section):
     max_model_len: PositiveInt = 4096
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA/NPU graphs on accelerators")
     kv_cache_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
-    inline_engine_core: bool | None = Field(
-        None,
-        description="vLLM's engine core in the engine actor's process instead of its own (no IPC: ~40% less CPU "
-        "per request on CPU); None: inline on CPU, own process on accelerators",
-    )
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

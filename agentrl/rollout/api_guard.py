@@ -123,9 +123,6 @@ def check_vllm(platform_kind: str) -> dict[str, str]:
     def async_llm() -> Any:
         return _load("vllm.v1.engine.async_llm", "AsyncLLM")
 
-    def llm_engine() -> Any:
-        return _load("vllm.v1.engine.llm_engine", "LLMEngine")
-
     # The model runner's signature is the one that separates old releases: it goes first, so its message wins.
     checks: list[tuple[str, Callable[[], bool]]] = [
         (
@@ -137,14 +134,6 @@ def check_vllm(platform_kind: str) -> dict[str, str]:
         ("its AsyncLLM has no abort", lambda: hasattr(async_llm(), "abort")),
         ("its AsyncLLM has no reset_prefix_cache", lambda: hasattr(async_llm(), "reset_prefix_cache")),
         ("its AsyncLLM has no errored", lambda: hasattr(async_llm(), "errored")),
-        *(
-            (f"its LLMEngine has no {name} (the inline engine core on CPU)", lambda n=name: hasattr(llm_engine(), n))
-            for name in ("add_request", "step", "abort_request", "has_unfinished_requests", "collective_rpc")
-        ),
-        (
-            "its output processor's RequestState has no make_request_output (the inline core's aborts)",
-            lambda: hasattr(_load("vllm.v1.engine.output_processor", "RequestState"), "make_request_output"),
-        ),
         (
             "its TokensPrompt has no prompt_token_ids",
             lambda: "prompt_token_ids" in getattr(_load("vllm.inputs", "TokensPrompt"), "__annotations__", {}),

