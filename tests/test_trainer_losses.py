@@ -196,6 +196,44 @@ def test_collate_layouts() -> None:
     assert scatter_back(packed["adv"], packed) == [[1.0, 2.0, 3.0], [4.0, 5.0]]
 
 
+def _collate_row_by_row(toks, fields, layout, pad_id):
+    """The reference: every sequence and field written on its own (what collate computes in one go)."""
+    n, lengths = len(toks), [len(t) for t in toks]
+    shape = (n, max(lengths)) if layout == "pad" else (1, sum(lengths))
+    ids, pos, seq = torch.full(shape, pad_id), torch.zeros(shape, dtype=torch.long), torch.full(shape, -1)
+    out = {k: torch.zeros(shape) for k in fields}
+    for k, t in enumerate(toks):
+        r, a = (k, 0) if layout == "pad" else (0, sum(lengths[:k]))
+        ids[r, a : a + len(t)], pos[r, a : a + len(t)], seq[r, a : a + len(t)] = (
+            torch.tensor(t),
+            torch.arange(len(t)),
+            k,
+        )
+        for name, values in fields.items():
+            out[name][r, a : a + len(t)] = torch.tensor(values[k], dtype=torch.float32)
+            if name == "loss_mask":
+                out[name][r, a] = 0.0
+    return {"input_ids": ids, "position_ids": pos, "seq_ids": seq, **out}
+
+
+@pytest.mark.parametrize("layout", ["pad", "packed"])
+def test_collate_puts_every_token_and_field_where_a_row_by_row_write_would(layout) -> None:
+    rng = random.Random(3)
+    toks = [[rng.randint(1, 99) for _ in range(rng.randint(1, 30))] for _ in range(40)]
+    fields = {
+        "loss_mask": [[float(rng.random() < 0.5) for _ in t] for t in toks],
+        "adv": [[rng.uniform(-1, 1) for _ in t] for t in toks],
+    }
+    got, want = collate(toks, fields, layout, pad_id=0), _collate_row_by_row(toks, fields, layout, 0)
+    for key, expected in want.items():
+        assert torch.equal(got[key], expected), key
+    assert scatter_back(got["adv"], got) == [
+        [float(torch.tensor(v, dtype=torch.float32)) for v in a] for a in fields["adv"]
+    ]
+    with pytest.raises(ValueError, match="field 'adv' does not have one value per token"):
+        collate(toks[:2], {"adv": [fields["adv"][1], fields["adv"][0]]}, layout, pad_id=0)
+
+
 def test_lr_schedule() -> None:
     assert [lr_factor(s, 2, 10, "constant") for s in range(3)] == [0.5, 1.0, 1.0]
     assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5)

@@ -12,7 +12,9 @@ Two layouts:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -118,34 +120,39 @@ def collate(
     attention reads the boundaries from the position ids) a [1, T] row of ones.
     """
     n = len(token_ids)
+    lengths = torch.tensor([len(t) for t in token_ids], dtype=torch.long)
+    firsts = torch.cumsum(lengths, 0) - lengths  # each sequence's offset in the concatenation of all of them
     if layout == "pad":
-        T = max(len(t) for t in token_ids)
+        T = int(lengths.max())
         shape = (n, T)
         rows = list(range(n))
         starts = [0] * n
     elif layout == "packed":
-        T = sum(len(t) for t in token_ids)
+        T = int(lengths.sum())
         shape = (1, T)
         rows = [0] * n
-        starts = [0] * n
-        for k in range(1, n):
-            starts[k] = starts[k - 1] + len(token_ids[k - 1])
+        starts = firsts.tolist()
     else:
         raise ValueError(f"unknown micro-batch layout {layout!r} (known: pad, packed)")
+    # Every token's (row, column) at once: one tensor per field from the flat lists, one indexed write each (a
+    # write per sequence and field made ~6,000 small tensors per RL step).
+    seq_of = torch.repeat_interleave(torch.arange(n), lengths)
+    within = torch.arange(int(lengths.sum())) - firsts[seq_of]  # each token's position in its sequence
+    rows_t, starts_t = torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+    where = (rows_t[seq_of], starts_t[seq_of] + within)
     ids = torch.full(shape, pad_id, dtype=torch.long)
+    ids[where] = _flat(token_ids, np.int64, len(seq_of))
     pos = torch.zeros(shape, dtype=torch.long)
+    pos[where] = within
     seq = torch.full(shape, -1, dtype=torch.long)
+    seq[where] = seq_of
     out = {name: torch.zeros(shape, dtype=torch.float32) for name in fields}
-    for k, toks in enumerate(token_ids):
-        r, a, L = rows[k], starts[k], len(toks)
-        ids[r, a : a + L] = torch.tensor(toks, dtype=torch.long)
-        pos[r, a : a + L] = torch.arange(L)
-        seq[r, a : a + L] = k
-        for name, values in fields.items():
-            out[name][r, a : a + L] = torch.tensor(values[k], dtype=torch.float32)
+    for name, values in fields.items():
+        if any(len(v) != len(t) for v, t in zip(values, token_ids, strict=True)):
+            raise ValueError(f"collate: field {name!r} does not have one value per token of every sequence")
+        out[name][where] = _flat(values, np.float32, len(seq_of))
     if "loss_mask" in out:
-        for k in range(n):
-            out["loss_mask"][rows[k], starts[k]] = 0.0
+        out["loss_mask"][rows_t, starts_t] = 0.0
     if layout == "pad" or not block_mask:
         attn = (seq >= 0).long()
     else:
@@ -157,11 +164,17 @@ def collate(
         "position_ids": pos,
         "attention_mask": attn,
         "seq_ids": seq,
-        "rows": torch.tensor(rows),
-        "starts": torch.tensor(starts),
-        "lengths": torch.tensor([len(t) for t in token_ids]),
+        "rows": rows_t,
+        "starts": starts_t,
+        "lengths": lengths,
         **out,
     }
+
+
+def _flat(seqs: Sequence[Sequence[float]], dtype: type, total: int) -> torch.Tensor:
+    """The sequences concatenated into one tensor: numpy reads a Python iterable ~3x faster than torch.tensor
+    reads a list (1.1 vs 4.2 ms for 39k ints)."""
+    return torch.from_numpy(np.fromiter(chain.from_iterable(seqs), dtype=dtype, count=total))
 
 
 LAYOUT_KEYS = ("rows", "starts", "lengths")  # where each sequence sits: read on the host by scatter_back
