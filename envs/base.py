@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import gymnasium as gym
 from gymnasium import spaces
@@ -52,6 +52,16 @@ class TextEnv(gym.Env[str, str]):
 
     metadata: dict[str, Any] = {"render_modes": ["ansi"], "render_fps": 4}  # noqa: RUF012  (gymnasium's)
     step_penalty: float = 0.0
+    inline_step: ClassVar[bool] = False
+    """True for a class whose `step` is pure Python that takes microseconds and never blocks (the built-in
+    Sokoban): env managers then call it on their event loop instead of handing it to their thread pool, whose
+    hop cost ~4x a Sokoban step's own CPU (220 vs 59 us). Such a step is not under `envs.step_timeout_s`. Each
+    class declares it for itself: a subclass that does not is back on the thread pool, since its step may block."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "inline_step" not in cls.__dict__:
+            cls.inline_step = False
 
     def __init__(
         self,

@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import ClassVar
 
 import pytest
 
 from agentrl.config.schema import EnvsConfig, SamplingConfig, ToolsConfig, ToolSpec
 from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import to_samples
-from agentrl.envs import make_env, register_env
+from agentrl.envs import TextEnv, make_env, register_env
 from agentrl.envs.sokoban.env import SokobanEnv
 from agentrl.types import EpisodeSpec, GenOutput
 
@@ -33,6 +35,26 @@ class FlakySokoban(SokobanEnv):
 
 
 register_env("test/FlakySokoban-v0", f"{__name__}:FlakySokoban", dim_room=(6, 6), num_boxes=1, max_steps=15)
+
+
+class PoolSokoban(SokobanEnv):
+    """Records the thread of every step; declares no `inline_step`, as a user's subclass would not."""
+
+    threads: ClassVar[set[str]] = set()
+
+    def step(self, action):
+        type(self).threads.add(threading.current_thread().name)
+        return super().step(action)
+
+
+class LoopSokoban(PoolSokoban):
+    inline_step = True
+    threads: ClassVar[set[str]] = set()
+
+
+SIMPLE = {"dim_room": (6, 6), "num_boxes": 1, "inner_walls": (0, 3), "max_steps": 15}  # SimpleSokoban-v0's levels
+register_env("test/PoolSokoban-v0", f"{__name__}:PoolSokoban", **SIMPLE)
+register_env("test/LoopSokoban-v0", f"{__name__}:LoopSokoban", **SIMPLE)
 
 
 class ScriptedEngine:
@@ -100,6 +122,19 @@ async def test_token_exact_history_and_mask(tokenizer):
     (sample,) = to_samples(ep, ep.env_return, "trajectory")
     assert sample.reward == pytest.approx(sum(t.reward for t in ep.turns)) and ep.truncation is None
     assert sample.step_rewards[-1] > 10  # the solve bonus lands on the last turn
+
+
+async def test_only_env_classes_that_declare_inline_step_step_on_the_event_loop(tokenizer):
+    """Sokoban's step runs on the env manager's loop (no thread hop); a class that does not declare inline_step
+    itself (a subclass's step may block) steps on the thread pool, under envs.step_timeout_s."""
+    assert SokobanEnv.inline_step and LoopSokoban.inline_step
+    assert not TextEnv.inline_step and not PoolSokoban.inline_step and not FlakySokoban.inline_step
+    for env_id in ("test/PoolSokoban-v0", "test/LoopSokoban-v0"):
+        ep = await _runner(tokenizer, ScriptedEngine(tokenizer, _expert_script())).run(_spec(11, env_id))
+        assert ep.error is None and ep.metrics["success"] == 1.0, (env_id, ep.error)
+    loop_thread = threading.current_thread().name
+    assert PoolSokoban.threads and loop_thread not in PoolSokoban.threads, PoolSokoban.threads
+    assert LoopSokoban.threads == {loop_thread}
 
 
 async def test_step_wise_samples_and_history_window(tokenizer):
