@@ -170,10 +170,9 @@ class EpisodeRunner:
                 await self._off_loop(run.env.observe_tool_results, [m["content"] for m in pending])
             return pending
         t0 = time.perf_counter()
-        if getattr(run.env, "inline_step", False):  # see TextEnv.inline_step
-            obs, reward, terminated, truncated, info = run.env.step(text)
-        else:
-            obs, reward, terminated, truncated, info = await self._off_loop(run.env.step, text)
+        inline = getattr(run.env, "inline_step", False)  # see TextEnv.inline_step
+        result = run.env.step(text) if inline else await self._off_loop(run.env.step, text)
+        obs, reward, terminated, truncated, info = result
         ep.timings["env"] += time.perf_counter() - t0
         turn.reward = float(reward)
         ep.env_return += float(reward)

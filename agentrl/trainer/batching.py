@@ -125,21 +125,18 @@ def collate(
     if layout == "pad":
         T = int(lengths.max())
         shape = (n, T)
-        rows = list(range(n))
-        starts = [0] * n
+        rows, starts = torch.arange(n), torch.zeros(n, dtype=torch.long)
     elif layout == "packed":
         T = int(lengths.sum())
         shape = (1, T)
-        rows = [0] * n
-        starts = firsts.tolist()
+        rows, starts = torch.zeros(n, dtype=torch.long), firsts
     else:
         raise ValueError(f"unknown micro-batch layout {layout!r} (known: pad, packed)")
     # Every token's (row, column) at once: one tensor per field from the flat lists, one indexed write each (a
     # write per sequence and field made ~6,000 small tensors per RL step).
     seq_of = torch.repeat_interleave(torch.arange(n), lengths)
-    within = torch.arange(int(lengths.sum())) - firsts[seq_of]  # each token's position in its sequence
-    rows_t, starts_t = torch.tensor(rows, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
-    where = (rows_t[seq_of], starts_t[seq_of] + within)
+    within = torch.arange(len(seq_of)) - firsts[seq_of]  # each token's position in its sequence
+    where = (rows[seq_of], starts[seq_of] + within)
     ids = torch.full(shape, pad_id, dtype=torch.long)
     ids[where] = _flat(token_ids, np.int64, len(seq_of))
     pos = torch.zeros(shape, dtype=torch.long)
@@ -152,7 +149,7 @@ def collate(
             raise ValueError(f"collate: field {name!r} does not have one value per token of every sequence")
         out[name][where] = _flat(values, np.float32, len(seq_of))
     if "loss_mask" in out:
-        out["loss_mask"][rows_t, starts_t] = 0.0
+        out["loss_mask"][rows, starts] = 0.0
     if layout == "pad" or not block_mask:
         attn = (seq >= 0).long()
     else:
@@ -164,8 +161,8 @@ def collate(
         "position_ids": pos,
         "attention_mask": attn,
         "seq_ids": seq,
-        "rows": rows_t,
-        "starts": starts_t,
+        "rows": rows,
+        "starts": starts,
         "lengths": lengths,
         **out,
     }
