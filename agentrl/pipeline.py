@@ -29,6 +29,7 @@ from typing import Any
 
 import ray
 
+from agentrl.batch_files import batch_path, save_batch
 from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.config import Config, ConfigError, dump_yaml
 from agentrl.console import RunView, print_summary, run_summary
@@ -318,6 +319,8 @@ class Pipeline:
         if groups is None:
             return None
         samples = [s for g in groups for s in g.samples]
+        if self.cfg.logging.save_batches:
+            await asyncio.to_thread(save_batch, batch_path(self.run_dir / "batches", state.step + 1), samples)
         metrics.update(batch_metrics(groups, samples, state.step))
         async with self.trainer_lock:
             with timed(metrics, "timing/train"):

@@ -348,6 +348,11 @@ class LoggingConfig(Section):
         "its agentrl name and the run's plot. 'tensorboard' here is the same as tensorboard: true",
     )
     project: str = Field("agentrl", description="the trackers' project (MLflow: experiment) name")
+    save_batches: bool = Field(
+        False,
+        description="write every RL batch the trainer takes to RUN_DIR/batches/step-NNNNNN.jsonl.gz (its samples: "
+        "tokens, masks, log-probs, versions, rewards; agentrl.batch_files.load_batch reads one back)",
+    )
 
     @model_validator(mode="before")
     @classmethod

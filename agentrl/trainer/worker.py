@@ -164,9 +164,10 @@ class TrainerRank(WeightPublisher):
         """Join the process group and build models and optimizers (a separate call: rank 0's address first)."""
         self.model_path = resolve_model_path(self.model_path)  # a hub id: a snapshot in this node's HF cache
         plat, model_path = self.plat, self.model_path
-        dist.init_process_group(
-            plat.process_group_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
-        )
+        if not dist.is_initialized():  # a test may build several ranks in one process (world size 1)
+            dist.init_process_group(
+                plat.process_group_backend, init_method=f"tcp://{addr}:{port}", rank=self.rank, world_size=self.world
+            )
         torch.manual_seed(self.cfg.seed)
         from transformers import AutoConfig
 
@@ -310,7 +311,7 @@ class TrainerRank(WeightPublisher):
         runs once. Groups are shuffled anew each step (seeded by the policy version, so a resumed run shuffles
         as the uninterrupted one would) and dealt to the part holding the fewest samples so far."""
         groups: dict[str, list[int]] = {}
-        for i in mine:
+        for i in sorted(mine):  # batch order, not the micro-batch planner's: the parts must not depend on it
             groups.setdefault(samples[i].group_id, []).append(i)
         k = max(1, min(self.alg.mini_batches, len({s.group_id for s in samples})))  # the same on every rank
         g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.backend.dp_rank)
