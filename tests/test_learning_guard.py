@@ -5,10 +5,12 @@ happens, end to end and in the trainer alone, with thresholds well below the nor
 platform (a wrong gradient, mask, token or reward) trips them, not the noise of a short run.
 
 - The tool example (examples/math_tools.yaml, the calculator in-process): from its recorded warm start
-  (tests/data/math_tools_warm_start, the 500-step SFT of that example; 71% held-out on these machines), held-out
+  (tests/data/math_tools_warm_start, the 500-step SFT of that example at bfe3e62, 71% held-out on these machines;
+  a run with `trainer.sft.cache=true` leaves a new one in `model.cache_dir` when prompts change), held-out
   greedy success at step 0 is far above zero, and 12 RL steps raise both held-out success and the sampled success of
-  the training batches. Measured at the commit that added it (seed 0): held-out 71% -> 84% at step 12 of a
-  40-step run; sampled success 0.17-0.23 in the first batches, 0.45-0.5 by step 10.
+  the training batches. A 40-step run of the example from this warm start (seed 0): held-out 71% -> 84% at step
+  10; sampled success 0.17-0.23 in the first batches, 0.45-0.5 by step 10. With the policy gradient's sign
+  flipped this test saw 71.9% -> 0.8%.
 - The warm start's SFT, in the trainer alone (FSDP2 rank, no Ray): 80 steps on each example's own expert demos
   lower the loss on held-out demos well below where it starts (held-out loss measured first, under no_grad: the
   case where an FSDP2 optimizer once missed its model).
