@@ -25,6 +25,20 @@ def tiny_model_path() -> str:
     return resolve_model_path("builtin:tiny")
 
 
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A 1-rank gloo process group for the module (on a free port: other test runs may share the machine); trainer
+    ranks built in the module join it."""
+    import torch.distributed as dist
+
+    from tests.servers import free_port
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray for the whole run; tests that need Ray take this fixture instead of calling ray.init."""

@@ -50,18 +50,6 @@ def test_the_tool_example_learns_from_its_warm_start(tmp_path, spawn):
     assert last > first + 0.08, f"sampled success of the training batches {first:.2f} -> {last:.2f} in 12 RL steps"
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    import torch.distributed as dist
-
-    from tests.servers import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 # example -> (SFT steps, the most held-out loss per answer token allowed after them). Measured when added, from
 # 6.6 / 6.4 before: 0.36 (Sokoban) and 0.73 (math_tools) after 80 steps; 4.2 when the steps never reached the
 # weights (an optimizer built while FSDP2 held unsharded copies, `agentrl.trainer.backends.fsdp2.reshard`).

@@ -37,37 +37,29 @@ def _config(name: str):
     return load_config(EXAMPLES / f"{name}.yaml", overrides)
 
 
-@pytest.fixture(scope="module")
-def one_rank_group():
-    """The gloo process group of one rank that every TrainerRank of this module joins."""
-    import torch.distributed as dist
-
-    from tests.servers import free_port
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 class _Recorder:
-    """Wraps an optimizer's `step`: the summed gradient before it and the parameters after it, per step."""
+    """Wraps an optimizer's `step`: the parameters before the first step, and per step the summed gradient
+    before it and the parameters after it."""
 
     def __init__(self, opt) -> None:
+        self._step, self._model = opt.step, opt.model
+        self.start = self._params()
         self.grads: list[torch.Tensor] = []
         self.params: list[torch.Tensor] = []
-        self._step, self._model = opt.step, opt.model
         opt.step = self.step
+
+    def _params(self) -> torch.Tensor:
+        return torch.cat([_full(p.detach()).flatten() for p in self._model.parameters()]).clone()
 
     def step(self) -> float:
         ps = list(self._model.parameters())
         self.grads.append(torch.cat([_full(p.grad).flatten() for p in ps if p.grad is not None]).clone())
         norm = self._step()
-        self.params.append(torch.cat([_full(p.detach()).flatten() for p in ps]).clone())
+        self.params.append(self._params())
         return norm
 
 
@@ -93,11 +85,11 @@ def _run(name: str, samples, kind: str, way: str, model_path: str) -> tuple[dict
     return metrics, rec, sum(p is not None for p in plans)
 
 
-def _assert_same_steps(name: str, plain: tuple, shared: tuple, start: torch.Tensor) -> None:
+def _assert_same_steps(name: str, plain: tuple, shared: tuple) -> None:
     (m_a, a, _), (m_b, b, used) = plain, shared
     assert used > 0, f"{name}: no micro-batch ran a sharing plan: the test compared the plain pass with itself"
     assert len(a.grads) == len(b.grads) > 0
-    before = start
+    before = a.start
     for k, (ga, gb, pa, pb) in enumerate(zip(a.grads, b.grads, a.params, b.params, strict=True)):
         err = float((ga - gb).norm() / ga.norm())
         assert err < 1e-4, f"{name}: optimizer step {k}: gradients differ by {err:.2e} of their norm"
@@ -110,13 +102,6 @@ def _assert_same_steps(name: str, plain: tuple, shared: tuple, start: torch.Tens
             assert m_b[key] == pytest.approx(m_a[key], rel=1e-4, abs=1e-6), f"{name}: {key}"
 
 
-def _start_params(model_path: str) -> torch.Tensor:
-    from agentrl.trainer.model import load_causal_lm
-
-    model = load_causal_lm(model_path, torch.float32, torch.device("cpu"))
-    return torch.cat([p.detach().flatten() for p in model.parameters()])
-
-
 @pytest.mark.parametrize("way", ["tree", "row"])
 @pytest.mark.parametrize("name", RL_EXAMPLES)
 def test_rl_step_on_a_recorded_batch_equals_the_plain_pass(one_rank_group, tiny_model_path, name, way) -> None:
@@ -124,7 +109,7 @@ def test_rl_step_on_a_recorded_batch_equals_the_plain_pass(one_rank_group, tiny_
     assert len({s.group_id for s in samples}) >= 2 and sum(s.num_model_tokens for s in samples) > 0
     plain = _run(name, samples, "train", "plain", tiny_model_path)
     shared = _run(name, samples, "train", way, tiny_model_path)
-    _assert_same_steps(f"{name} ({way})", plain, shared, _start_params(tiny_model_path))
+    _assert_same_steps(f"{name} ({way})", plain, shared)
 
 
 @pytest.mark.parametrize("name", SFT_EXAMPLES)
@@ -138,7 +123,7 @@ def test_sft_step_on_expert_demos_equals_the_plain_pass(one_rank_group, tiny_mod
     batch = list(demos[: cfg.trainer.sft.batch_size])
     plain = _run(name, batch, "sft", "plain", tiny_model_path)
     shared = _run(name, batch, "sft", "tree", tiny_model_path)
-    _assert_same_steps(f"{name} SFT", plain, shared, _start_params(tiny_model_path))
+    _assert_same_steps(f"{name} SFT", plain, shared)
 
 
 @pytest.mark.parametrize("name", RL_EXAMPLES)

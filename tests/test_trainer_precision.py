@@ -35,17 +35,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def pg():
-    """A 1-rank gloo process group for the module (on a free port: other test runs may share the machine)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def _batch(prefix: int = 0) -> dict[str, torch.Tensor]:
     """Three rows (padded), the last tokens of each trained on; `prefix` shared leading tokens."""
     head = [9 + j % 50 for j in range(prefix)]
@@ -72,7 +61,7 @@ def _loss_and_grads(model, batch) -> tuple[float, torch.Tensor]:
 
 
 @pytest.mark.parametrize("role", ["policy", "reference", "critic"])
-def test_meta_init_and_rank0_broadcast_equal_a_direct_load(pg, tiny_model_path, role) -> None:
+def test_meta_init_and_rank0_broadcast_equal_a_direct_load(one_rank_group, tiny_model_path, role) -> None:
     """Every parameter bit-equal to from_pretrained's, the rotary buffers (not in the checkpoint, garbage
     after to_empty) recomputed, the tied head still tied, and the outputs identical."""
     tc = TrainerConfig(activation_checkpointing=role == "policy")  # wrapper names must not leak into keys
@@ -97,7 +86,9 @@ def test_meta_init_and_rank0_broadcast_equal_a_direct_load(pg, tiny_model_path, 
     assert all(p.requires_grad == (role != "reference") for p in built.parameters())
 
 
-def test_reference_is_stored_in_the_compute_dtype_and_policy_keeps_fp32_masters(pg, tiny_model_path) -> None:
+def test_reference_is_stored_in_the_compute_dtype_and_policy_keeps_fp32_masters(
+    one_rank_group, tiny_model_path
+) -> None:
     tc = TrainerConfig(precision="bf16")
     ref = S.build_sharded(tiny_model_path, CPU_DEV, tc, CPU, "reference")
     pol = S.build_sharded(tiny_model_path, CPU_DEV, tc, CPU, "policy")
@@ -110,7 +101,7 @@ def test_reference_is_stored_in_the_compute_dtype_and_policy_keeps_fp32_masters(
 # ---- precision and memory ---------------------------------------------------------------------------------------
 
 
-def test_bf16_mixed_precision_loss_and_grads_close_to_fp32(pg, tiny_model_path) -> None:
+def test_bf16_mixed_precision_loss_and_grads_close_to_fp32(one_rank_group, tiny_model_path) -> None:
     """bf16 compute over fp32 masters, fp32 reduction: the loss within 1e-3 relative and the gradients within
     3% (norm of the difference) of fp32; not identical, so bf16 really ran. Grads land in fp32 on the masters."""
     b = _batch()
@@ -126,7 +117,7 @@ def test_bf16_mixed_precision_loss_and_grads_close_to_fp32(pg, tiny_model_path) 
 
 
 @pytest.mark.parametrize("prefix", [0, 24])
-def test_activation_checkpointing_gives_the_same_gradients(pg, tiny_model_path, prefix) -> None:
+def test_activation_checkpointing_gives_the_same_gradients(one_rank_group, tiny_model_path, prefix) -> None:
     """Recomputed layers give bit-for-bit the plain gradients, also on a batch whose shared prefix would go
     through the KV cache (the replay must not append to the cache a second time)."""
     b = _batch(prefix)
@@ -144,7 +135,7 @@ def test_activation_checkpointing_gives_the_same_gradients(pg, tiny_model_path, 
     assert torch.allclose(g0, g1, atol=1e-6)
 
 
-def test_cpu_offload_step_matches(pg, tiny_model_path) -> None:
+def test_cpu_offload_step_matches(one_rank_group, tiny_model_path) -> None:
     b = _batch()
     on = S.build_sharded(tiny_model_path, CPU_DEV, TrainerConfig(cpu_offload=True), CPU, "policy")
     off = S.build_sharded(tiny_model_path, CPU_DEV, TrainerConfig(), CPU, "policy")
