@@ -8,6 +8,9 @@ Assumptions (rough by design; tests/test_memory_plan.py holds it within 0.5x-2x 
 - FSDP2 over `trainer.num_ranks`: fp32 master weights, fp32 gradients and AdamW's two fp32 moments are sharded
   (divided by ranks); the unsharded root (embeddings, head) and two decoder layers (current + prefetched) are
   gathered transiently in the compute dtype, with their unsharded gradients before the reduce-scatter.
+- Megatron-Core (`trainer.backend: megatron`): a rank holds its TP x PP slice in the compute dtype, fp32 main
+  gradients, and fp32 main params (bf16) + AdamW moments, sharded over data-parallel replicas only with the
+  distributed optimizer; its vocab-parallel log-probs hold the whole micro-batch's logit slice in fp32.
 - Activations of one micro-batch of `max(trainer.micro_batch_tokens, envs.max_total_tokens)` tokens (a sample
   longer than the budget gets a micro-batch of its own), memory-efficient attention (no T x T scores); a packed
   micro-batch under SDPA also holds its T x T bool block mask (flash-attn on CUDA needs none: counted anyway). With
@@ -209,10 +212,38 @@ def device_memory(kind: str) -> tuple[int, str]:
         return parse_bytes(forced), DEVICE_MEMORY_ENV
     if kind == "cpu":
         return host_memory(), "host RAM"
-    import torch
+    if kind == "cuda":
+        found = _nvml_memory()
+        if found is not None:
+            return found
+    import torch  # a device context on device 0 in this process (~0.5 GiB there): NVML first, where it exists
 
     props = torch.cuda.get_device_properties(0) if kind == "cuda" else torch.npu.get_device_properties(0)
     return int(props.total_memory), f"{kind}:0 {props.name}"
+
+
+def _nvml_memory() -> tuple[int, str] | None:
+    """Device 0's memory from NVML (nvidia-ml-py), which opens no CUDA context: the driver that plans a run must
+    not take memory on the device trainer rank 0 then uses. None without NVML."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+            handle = (
+                pynvml.nvmlDeviceGetHandleByUUID(visible) if visible.startswith(("GPU-", "MIG-"))
+                else pynvml.nvmlDeviceGetHandleByIndex(int(visible) if visible.isdigit() else 0)
+            )  # fmt: skip
+            name = pynvml.nvmlDeviceGetName(handle)
+            total = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    return total, f"cuda:0 {name.decode() if isinstance(name, bytes) else name}"
 
 
 # ---- the estimate ----------------------------------------------------------------------------------------------
@@ -273,12 +304,13 @@ def micro_batch_tokens(cfg: Config) -> int:
     return max(cfg.trainer.micro_batch_tokens, cfg.envs.max_total_tokens)
 
 
-def layer_activation_elems(d: ModelDims) -> int:
+def layer_activation_elems(d: ModelDims, tp: int = 1) -> int:
     """Tensors one decoder layer keeps for backward, per token: the two RMSNorms (input, normalised, scaled),
     q/k norms and rotary embedding, the GQA-expanded k/v, the attention output, and the SwiGLU MLP's gate, up,
-    activation and product."""
+    activation and product. Tensor parallelism splits the attention heads and the MLP's width over `tp` ranks
+    (the hidden-size tensors stay whole without sequence parallelism)."""
     q, kv = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    return 6 * d.hidden + 9 * q + 5 * kv + 4 * d.intermediate
+    return 6 * d.hidden + (9 * q + 5 * kv + 4 * d.intermediate) // tp
 
 
 def resolved_precision(cfg: Config, accelerator: bool) -> tuple[str, bool]:
@@ -290,12 +322,50 @@ def resolved_precision(cfg: Config, accelerator: bool) -> tuple[str, bool]:
 
 
 def trainer_plan(cfg: Config, d: ModelDims, accelerator: bool) -> ActorPlan:
-    """One trainer rank's peak: sharded states + transient gathers + one micro-batch's activations and logits."""
-    tc, alg = cfg.trainer, cfg.trainer.algorithm
-    ranks, P = tc.num_ranks, d.params
+    """One trainer rank's peak: its states (as `trainer.backend` splits them) + one micro-batch's activations and
+    logits."""
+    tc = cfg.trainer
     precision, ckpt = resolved_precision(cfg, accelerator)
     a = 2 if precision == "bf16" else 4
     T = micro_batch_tokens(cfg)
+    megatron = tc.backend == "megatron"
+    comps = _megatron_states(cfg, d, a, precision) if megatron else _fsdp2_states(cfg, d, a, precision, accelerator)
+    tp = tc.megatron.tensor_parallel if megatron else 1
+    per_layer = layer_activation_elems(d, tp) * T * a
+    if ckpt:
+        act = d.layers * d.hidden * T * a + per_layer
+        how = f"checkpointed: {d.layers} layer inputs + 1 layer, {T} tokens, {precision}"
+    else:
+        act = d.layers * per_layer
+        how = f"all {d.layers} layers, {T} tokens, {precision}"
+    if megatron and tp > 1:
+        how += f", attention and MLP split over TP {tp}"
+    comps.append(Component("activations", act, how))
+    if megatron:  # vocab-parallel log-probs: the whole micro-batch's logit slice at once, in fp32 (not chunked)
+        v = -(-d.vocab // tp)
+        comps.append(Component(
+            "logits", T * v * (2 * a + 16),
+            f"{T} tokens x {v} vocab (TP slice): head output + gradient ({precision}), fp32 copy, its clone and"
+            " softmax / entropy temporaries, unchunked",
+        ))  # fmt: skip
+    else:
+        rows = min(T, max(1, LOGIT_CHUNK_ELEMS // d.vocab))
+        comps.append(Component(
+            "logits", T * d.vocab * 2 * a + rows * d.vocab * 12,
+            f"{T} tokens x {d.vocab} vocab: head output + gradient ({precision}), fp32 softmax {rows} rows at a time",
+        ))  # fmt: skip
+    if tc.packing == "packed":
+        comps.append(Component("packed mask", T * T, f"bool {T} x {T} block mask (SDPA; none with flash-attn)"))
+    runtime = "device context + allocator slack" if accelerator else "Python + torch + transformers"
+    comps.append(Component("runtime", RUNTIME_BYTES, runtime))
+    return ActorPlan("trainer rank", tc.num_ranks, comps)
+
+
+def _fsdp2_states(cfg: Config, d: ModelDims, a: int, precision: str, accelerator: bool) -> list[Component]:
+    """FSDP2: fp32 master weights, gradients and AdamW moments sharded over every rank, plus the transient
+    all-gathers (root + two layers in the compute dtype, with their unsharded gradients)."""
+    tc, alg = cfg.trainer, cfg.trainer.algorithm
+    ranks, P = tc.num_ranks, d.params
     offload = tc.cpu_offload and accelerator
     where = " (in host memory: cpu_offload)" if offload else ""
     states = 0.0 if offload else 1.0
@@ -316,27 +386,33 @@ def trainer_plan(cfg: Config, d: ModelDims, accelerator: bool) -> ActorPlan:
     if alg.advantage == "gae":
         critic = P - (0 if d.tied else d.vocab * d.hidden) + d.hidden
         comps.append(Component("critic", states * 16 * critic / ranks, f"gae: weights + grads + AdamW, sharded{where}"))
-    per_layer = layer_activation_elems(d) * T * a
-    if ckpt:
-        act = d.layers * d.hidden * T * a + per_layer
-        how = f"checkpointed: {d.layers} layer inputs + 1 layer, {T} tokens, {precision}"
-    else:
-        act = d.layers * per_layer
-        how = f"all {d.layers} layers, {T} tokens, {precision}"
-    comps.append(Component("activations", act, how))
-    rows = min(T, max(1, LOGIT_CHUNK_ELEMS // d.vocab))
-    comps.append(
-        Component(
-            "logits",
-            T * d.vocab * 2 * a + rows * d.vocab * 12,
-            f"{T} tokens x {d.vocab} vocab: head output + gradient ({precision}), fp32 softmax {rows} rows at a time",
-        )
-    )
-    if tc.packing == "packed":
-        comps.append(Component("packed mask", T * T, f"bool {T} x {T} block mask (SDPA; none with flash-attn)"))
-    runtime = "device context + allocator slack" if accelerator else "Python + torch + transformers"
-    comps.append(Component("runtime", RUNTIME_BYTES, runtime))
-    return ActorPlan("trainer rank", ranks, comps)
+    return comps
+
+
+def _megatron_states(cfg: Config, d: ModelDims, a: int, precision: str) -> list[Component]:
+    """Megatron-Core: each rank holds its tensor x pipeline slice of the model in the compute dtype, fp32 main
+    gradients (`grad_reduce_in_fp32`), and the optimizer's fp32 main params (bf16 only) and AdamW moments, those
+    sharded over the data-parallel replicas with `megatron.distributed_optimizer` (else replicated)."""
+    tc, m, alg = cfg.trainer, cfg.trainer.megatron, cfg.trainer.algorithm
+    mp_size = m.tensor_parallel * m.pipeline_parallel
+    dp = max(tc.num_ranks // max(m.model_parallel, 1), 1)
+    P = d.params / mp_size
+    split = f"{count(d.params)} params / TP {m.tensor_parallel} x PP {m.pipeline_parallel}"
+    opt_bytes = (4 if precision == "bf16" else 0) + 8
+    opt_share = dp if m.distributed_optimizer else 1
+    opt_how = "fp32 main params + AdamW m + v" if precision == "bf16" else "AdamW m + v fp32"
+    opt_how += f", sharded over DP {dp}" if m.distributed_optimizer else ", replicated (distributed_optimizer off)"
+    comps = [
+        Component("weights", a * P, f"{precision} model params, {split}"),
+        Component("gradients", 4 * P, "fp32 main grads (grad_reduce_in_fp32)"),
+        Component("optimizer", opt_bytes * P / opt_share, opt_how),
+    ]
+    if alg.kl_coef > 0:
+        comps.append(Component("reference model", a * P, f"kl_coef > 0: {precision}, {split}, no grads"))
+    if alg.advantage == "gae":
+        critic = (d.params - (0 if d.tied else d.vocab * d.hidden) + d.hidden) / mp_size
+        comps.append(Component("critic", (a + 4 + opt_bytes / opt_share) * critic, "gae: as the policy"))
+    return comps
 
 
 def engine_plan(cfg: Config, d: ModelDims, accelerator: bool, device_bytes: int) -> ActorPlan | None:
@@ -415,7 +491,8 @@ def _trainer_remedies(plan: MemoryPlan, cfg: Config) -> list[str]:
     if not resolved_precision(cfg, accelerator)[1]:
         out.append("set trainer.activation_checkpointing=true")
     if accelerator:  # on CPU the ranks share the host: more ranks never help
-        for ranks in (r for r in (2, 4, 6, *range(8, 257, 8)) if r > tc.num_ranks):  # then whole 8-GPU nodes
+        whole = tc.megatron.model_parallel if tc.backend == "megatron" else 1  # replicas of the model-parallel group
+        for ranks in (r for r in (2, 4, 6, *range(8, 257, 8)) if r > tc.num_ranks and r % whole == 0):
             alt = cfg.model_copy(deep=True)
             alt.trainer.num_ranks = ranks
             if _fits(alt, plan):

@@ -256,3 +256,55 @@ def test_estimate_within_2x_of_measured_peak(model, rows, length, ckpt, tiny_mod
     measured = result["increase"]
     print(f"{model} {ckpt}: measured {measured / 2**20:.0f} MiB, estimated {estimate / 2**20:.0f} MiB")
     assert 0.5 * measured <= estimate <= 2.0 * measured
+
+
+def test_megatron_plan_splits_states_as_megatron_does() -> None:
+    """Megatron TP2 x DP2 in bf16 (Qwen2.5-7B): a rank holds half the model in bf16, fp32 main grads of that half,
+    and a quarter of the fp32 main params + moments (distributed optimizer): ~6P bytes, not FSDP2's 16P / 4 ranks; its
+    unchunked fp32 vocab-parallel logits are counted."""
+    dims = mp.load_dims("Qwen/Qwen2.5-7B")
+    overrides = ["trainer.num_ranks=4", "trainer.precision=bf16", "trainer.micro_batch_tokens=8192"]
+    fsdp = load_config(None, overrides)
+    mega = load_config(None, [*overrides, "trainer.backend=megatron", "trainer.megatron.tensor_parallel=2"])
+    P = dims.params
+
+    def parts(c: Config) -> dict[str, float]:
+        return {x.name: x.bytes for x in mp.trainer_plan(c, dims, True).components}
+
+    m, f = parts(mega), parts(fsdp)
+    assert m["weights"] == pytest.approx(2 * P / 2) and m["gradients"] == pytest.approx(4 * P / 2)
+    assert m["optimizer"] == pytest.approx(12 * P / 2 / 2)
+    assert "gathered params" not in m and f["weights"] == pytest.approx(4 * P / 4)
+    states = m["weights"] + m["gradients"] + m["optimizer"]
+    assert states == pytest.approx(6 * P) and states > 1.4 * (f["weights"] + f["gradients"] + f["optimizer"])
+    T, V = 8192, dims.vocab
+    assert m["logits"] == pytest.approx(T * (V // 2) * (2 * 2 + 16)) and m["logits"] > f["logits"]
+    replicated = load_config(None, [*overrides, "trainer.backend=megatron", "trainer.megatron.tensor_parallel=2",
+                                    "trainer.megatron.distributed_optimizer=false"])  # fmt: skip
+    assert parts(replicated)["optimizer"] == pytest.approx(12 * P / 2)
+    assert m["activations"] < f["activations"]  # heads and MLP width split over TP
+
+
+def test_device_memory_reads_nvml_without_a_cuda_context(monkeypatch) -> None:
+    """The driver plans before the trainer starts: it must not open a CUDA context (~0.5 GiB) on device 0, where
+    trainer rank 0 then runs. A stand-in NVML module (no GPU here) answers, and torch.cuda is never asked."""
+    import types
+
+    import torch
+
+    calls = []
+    fake = types.SimpleNamespace(
+        NVMLError=RuntimeError,
+        nvmlInit=lambda: calls.append("init"),
+        nvmlShutdown=lambda: calls.append("shutdown"),
+        nvmlDeviceGetHandleByIndex=lambda i: calls.append(f"index {i}") or "h",
+        nvmlDeviceGetHandleByUUID=lambda u: calls.append(f"uuid {u}") or "h",
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200",
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=143 * GiB),
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.delenv(mp.DEVICE_MEMORY_ENV, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: pytest.fail("opened a CUDA context"))
+    assert mp.device_memory("cuda") == (143 * GiB, "cuda:0 NVIDIA H200")
+    assert calls == ["init", "index 3", "shutdown"]
