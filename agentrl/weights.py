@@ -48,6 +48,8 @@ class WeightSync:
         self._group: SyncGroup | None = None
         self._members: list | None = None  # who the group was built for
         self._metas: list | None = None
+        # what an engine that names no dtype gets (the free-space check sizes the same): bf16 on accelerators
+        self._default_dtype = str(platform.default_dtype()).removeprefix("torch.")
 
     # ---- start-up ----------------------------------------------------------------------------------------------
     def check(self, engines: list[Any]) -> None:
@@ -56,9 +58,8 @@ class WeightSync:
         if self.mode != "disk":
             return
         sentinel = str(self.root / f".sentinel-{uuid.uuid4().hex[:8]}")
-        dtype = str(self.platform.default_dtype()).removeprefix("torch.")
         try:
-            self.trainer.write_sentinel(sentinel, dtype)
+            self.trainer.write_sentinel(sentinel, self._default_dtype)
         except Exception as err:
             raise ConfigError(f"rollout.weights_dir: {_short(err)}") from None
         try:
@@ -92,12 +93,12 @@ class WeightSync:
     async def _sync_disk(self, version: int) -> None:
         plan = await self.router.weight_sync_members.remote()
         path = str(self.root / f"v{version}")
-        await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or "float32", True)
+        await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or self._default_dtype, True)
         await self.router.update_weights.remote(path, version, self.drain)
 
     async def _sync_collective(self, version: int) -> None:
         plan = await self.router.weight_sync_members.remote()
-        dtype = plan["dtype"] or "float32"
+        dtype = plan["dtype"] or self._default_dtype
         members = await self.router.hold.remote(plan["members"], self.drain)  # all drained: the group forms at once
         if self._metas is None:
             self._metas = await asyncio.to_thread(self.trainer.weight_metas, dtype)

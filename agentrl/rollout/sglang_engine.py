@@ -94,6 +94,15 @@ class SGLangEngine(TurnMailbox, GatedEngine):
         if not success:
             raise EngineError(f"SGLang could not load weights from {source}: {message}")
 
+    async def weight_sync_info(self) -> dict[str, Any]:
+        """Disk sync only (`update_weights_from_disk`), in the dtype the engine computes in: its tokenizer
+        manager's ModelConfig resolves `dtype: auto`, so snapshots are written in bf16, not fp32 (half the bytes,
+        and what the disk check sizes)."""
+        await self.start()
+        dtype = getattr(getattr(self._engine.tokenizer_manager, "model_config", None), "dtype", None)
+        name = str(dtype).removeprefix("torch.") if dtype is not None else None
+        return {"collective": False, "dtype": name if name != "auto" else None, "workers": 1}
+
     async def health(self) -> dict[str, Any]:
         return {"ok": self._engine is not None, "version": self._version, "paused": not self._gate.is_set()}
 
