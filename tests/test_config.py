@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.config import ConfigError, dump_yaml, load_config
+from agentrl.config import Config, ConfigError, dump_yaml, load_config
 
 EXAMPLE = Path(__file__).parents[1] / "examples" / "agentic_sokoban.yaml"
 
@@ -220,3 +220,19 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(bad)
     assert str(err.value).startswith(f"{bad}:4:1: invalid YAML: ") and "\n" not in str(err.value)
+
+
+def test_unset_learning_rates_follow_the_model(tmp_path) -> None:
+    """The tiny model's learning rates (3e-4 RL, 1e-3 SFT) would wreck a pretrained LLM in a few steps: unset,
+    they follow model.path, also when an override changes the model; a set one stays."""
+    tiny = load_config(None, [])
+    assert (tiny.trainer.optim.lr, tiny.trainer.sft.lr) == (3e-4, 1e-3)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    real = load_config(None, [f"model.path={model}"])
+    assert (real.trainer.optim.lr, real.trainer.sft.lr) == (1e-6, 1e-5)
+    kept = load_config(None, [f"model.path={model}", "trainer.optim.lr=2e-6"])
+    assert (kept.trainer.optim.lr, kept.trainer.sft.lr) == (2e-6, 1e-5)
+    again = Config.model_validate(real.model_dump(by_alias=True))  # what a trainer rank receives
+    assert again.trainer.optim.lr == 1e-6

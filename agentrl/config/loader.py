@@ -223,6 +223,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg = validate(raw)
     if overrides:
         full = copy.deepcopy(cfg.model_dump(by_alias=True, mode="python"))
+        for key in Config.MODEL_DEFAULTS:  # unset in the file: they follow the model an override may change
+            *parents, leaf = key.split(".")
+            given, section = raw, full
+            for name in parents:
+                given, section = (given.get(name) if isinstance(given, dict) else None), section[name]
+            if not isinstance(given, dict) or given.get(leaf) is None:
+                section[leaf] = None
         for override in overrides:
             apply_override(full, override)
         cfg = validate(full)

@@ -6,7 +6,7 @@ tags, tool sets): only there may the command line add keys with `+key=value`.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
 
@@ -203,8 +203,14 @@ class RolloutConfig(Section):
         return self
 
 
+TINY_LR, MODEL_LR = 3e-4, 1e-6  # RL on the built-in tiny model; on a pretrained LLM
+TINY_SFT_LR, MODEL_SFT_LR = 1e-3, 1e-5
+
+
 class OptimConfig(Section):
-    lr: PositiveFloat = 3e-4
+    lr: PositiveFloat | None = Field(
+        None, description=f"None: {TINY_LR:g} for builtin:tiny, {MODEL_LR:g} for any other (pretrained) model"
+    )
     weight_decay: float = Field(0.0, ge=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: PositiveFloat = 1e-8
@@ -244,7 +250,9 @@ class SFTConfig(Section):
     episodes: PositiveInt = 2000
     steps: int = Field(200, ge=0)
     batch_size: PositiveInt = 64
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat | None = Field(
+        None, description=f"None: {TINY_SFT_LR:g} for builtin:tiny, {MODEL_SFT_LR:g} for any other model"
+    )
     expert_noise: float = Field(
         0.0,
         ge=0.0,
@@ -388,6 +396,20 @@ class Config(Section):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # keys whose unset value follows the model (`load_config` keeps them unset under overrides of model.path)
+    MODEL_DEFAULTS: ClassVar[tuple[str, ...]] = ("trainer.optim.lr", "trainer.sft.lr")
+
+    @model_validator(mode="after")
+    def _learning_rates_for_the_model(self) -> Config:
+        """Unset learning rates follow the model: the tiny model's (3e-4) would wreck a pretrained LLM in a few
+        steps, and a pretrained model's (1e-6) would leave the tiny one where it started."""
+        tiny = self.model.path.startswith("builtin:")
+        optim, sft = self.trainer.optim, self.trainer.sft
+        if optim.lr is None:
+            optim.lr = TINY_LR if tiny else MODEL_LR
+        if sft.lr is None:
+            sft.lr = TINY_SFT_LR if tiny else MODEL_SFT_LR
+        return self
 
     @model_validator(mode="after")
     def _tool_sets_exist(self) -> Config:
