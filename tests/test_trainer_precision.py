@@ -213,7 +213,7 @@ def test_fused_adamw_only_on_cuda() -> None:
     from agentrl.config.schema import OptimConfig
     from agentrl.trainer.optim import build_optimizer
 
-    opt, _ = build_optimizer([torch.nn.Parameter(torch.zeros(3))], OptimConfig(), 10)
+    opt, _ = build_optimizer([torch.nn.Parameter(torch.zeros(3))], OptimConfig(lr=3e-4), 10)
     assert not opt.param_groups[0]["fused"] and opt.param_groups[0]["foreach"] is False
 
 
@@ -246,7 +246,7 @@ def _memory_step(model_dir: str, checkpointing: bool) -> dict:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     tc = TrainerConfig(activation_checkpointing=checkpointing)
     model = S.build_sharded(model_dir, CPU_DEV, tc, CPU, "policy")
-    opt, _ = build_optimizer(model.parameters(), OptimConfig(), 1)
+    opt, _ = build_optimizer(model.parameters(), OptimConfig(lr=3e-4), 1)
     toks = [[(31 * j) % 8000 + 3 for j in range(MEM_TOKENS)]]
     b = collate(toks, {"loss_mask": [[0] * (MEM_TOKENS - 64) + [1] * 64]}, "pad", 0)
     before = _peak_rss_kib()
@@ -376,3 +376,7 @@ if __name__ == "__main__":
         print(json.dumps(_logprob_memory(bool(int(sys.argv[2])))))
     else:
         print(json.dumps(_memory_step(sys.argv[1], bool(int(sys.argv[2])))))
+    # skip interpreter teardown: a gloo / TCPStore thread still being destroyed there has aborted a finished rank
+    # ("terminate called without an active exception", rc -6) after it printed its result
+    sys.stdout.flush()
+    os._exit(0)

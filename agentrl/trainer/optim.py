@@ -32,6 +32,8 @@ def build_optimizer(
     plain loop elsewhere: on CPU it is no slower and keeps DTensor params simple, and with CPU offload the params
     (and so the step) are on the host. NPU keeps the plain loop too: torch_npu's fused AdamW is unverified here.
     """
+    if cfg.lr is None:
+        raise ValueError("OptimConfig.lr is unset: a Config fills it from model.path; pass lr to a bare OptimConfig")
     trainable = [p for p in params if p.requires_grad]
     fused = bool(trainable) and trainable[0].device.type == "cuda"
     opt = torch.optim.AdamW(
