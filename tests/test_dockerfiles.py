@@ -1,10 +1,10 @@
-"""The container images (docker/Dockerfile.cuda, docker/Dockerfile.ascend), read without a container daemon.
+"""The container images (docker/Dockerfile.cuda, .ascend, .sglang), read without a container daemon.
 
 Each Dockerfile is parsed into instructions (comments dropped, line continuations joined) and checked: it starts
 from the official base image of its platform (the Ascend one with a build argument choosing the A2 or A3 tag), it
 copies the package in before installing it, it installs agentrl with the platform's extra and constraints file
 (which must exist), the base image's release agrees with the versions that file pins, and its last step is
-`RUN agentrl --help`. docker/README.md must give both build commands.
+`RUN agentrl --help`. docker/README.md must give every build command.
 """
 
 from __future__ import annotations
@@ -32,7 +32,10 @@ PLATFORMS = {
         {"vllm/vllm-openai", "pytorch/pytorch", "nvcr.io/nvidia/pytorch"},
     ),
     "ascend": ("Dockerfile.ascend", "ascend", "constraints-ascend.txt", {"quay.io/ascend/vllm-ascend"}),
+    "sglang": ("Dockerfile.sglang", "sglang", "constraints-sglang.txt", {"lmsysorg/sglang"}),
 }
+# base image repository -> the package whose release its tag names
+IMAGE_PACKAGE = {"vllm/vllm-openai": "vllm", "quay.io/ascend/vllm-ascend": "vllm-ascend", "lmsysorg/sglang": "sglang"}
 # The build argument that chooses the Atlas A3 image instead of the A2 (910B) one, and its value.
 A3_ARG, A3_VALUE = "ASCEND_TAG_SUFFIX", "-a3"
 RELEASE_TAG = re.compile(r"v(\d+\.\d+\.\d+(?:rc\d+)?(?:\.post\d+)?)")
@@ -211,20 +214,21 @@ def test_last_instruction_runs_the_cli(platform):
 
 
 def test_base_image_release_matches_constraints(platform):
-    """The image's vLLM (and vllm-ascend) must be the versions the constraints file pins, so that installing agentrl
-    keeps them."""
+    """The image's vLLM (vllm-ascend, SGLang) must be the versions the constraints file pins, so that installing
+    agentrl keeps them."""
     name, instructions, _, constraints, _ = platform
     repo, tag = base_image(instructions)
-    if repo not in ("vllm/vllm-openai", "quay.io/ascend/vllm-ascend"):
-        return  # a PyTorch base image holds no vLLM: the constraints file's pins are what pip installs
+    if repo not in IMAGE_PACKAGE:
+        return  # a PyTorch base image holds no engine: the constraints file's pins are what pip installs
     match = RELEASE_TAG.match(tag)
     assert match, f"{name}: cannot read a release from the tag {tag!r}"
     image_release = Version(match.group(1))
     path = ROOT / constraints
     assert path.is_file(), f"{constraints} is missing from the repository root"
     pins = _pins(path)
-    main = "vllm" if repo == "vllm/vllm-openai" else "vllm-ascend"
-    for package in ("vllm", "vllm-ascend"):
+    main = IMAGE_PACKAGE[repo]
+    assert main in pins, f"{name}: {constraints} must pin {main}, the release of image {tag}"
+    for package in ("vllm", "vllm-ascend", "sglang"):
         if package not in pins:
             continue
         if package == main:
