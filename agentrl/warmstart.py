@@ -1,7 +1,9 @@
 """Expert demonstrations from the envs, as training samples, for the SFT warm start of a (tiny) model.
 
-Env code runs here in the driver, outside the env managers' isolation, so a demo episode whose env raises is
-skipped and counted (like a failed RL episode), never the end of the run.
+Env code runs here in the driver, outside the env managers' isolation, so a demo episode whose env raises or
+hangs (each call is bounded by `envs.step_timeout_s`) is skipped and counted (like a failed RL episode), never the
+end of the run. Episodes are independent and play concurrently (`envs.env_threads` at a time), so a slow env does
+not serialise the warm start; the samples keep episode order, whatever order the episodes end in.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from agentrl.envmanager.chat import ChatTokens
 from agentrl.envmanager.episode import Messages, tool_contents
 from agentrl.envmanager.manager import FirstOfKind, build_toolboxes
 from agentrl.envs import make_env
+from agentrl.envs.env_calls import acall_with_timeout
 from agentrl.tools.parsers import parse_tool_calls
 from agentrl.types import Sample, group_id_for
 
@@ -49,27 +52,38 @@ async def _expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Call
     chats = {sets: ChatTokens(tokenizer, box.schemas()) for sets, box in boxes.items()}
     chats[()] = ChatTokens(tokenizer)
     parse = functools.partial(parse_tool_calls, parser=cfg.tools.parser)
-    samples = Demos()
     tags = list(cfg.envs.train.items())
-    log_failure, first_error = FirstOfKind("SFT warm start"), ""
-    try:
-        for i in range(episodes):
-            tag, spec = tags[i % len(tags)]
-            sets = tuple(spec.tools)
-            demo = _Demo(cfg, chats[sets], boxes.get(sets), parse, tokenizer.eos_token_id)
+    log_failure, errors = FirstOfKind("SFT warm start"), []
+    at_once = asyncio.Semaphore(cfg.envs.env_threads)
+
+    async def play(i: int) -> list[Sample] | None:
+        tag, spec = tags[i % len(tags)]
+        sets = tuple(spec.tools)
+        demo = _Demo(cfg, chats[sets], boxes.get(sets), parse, tokenizer.eos_token_id)
+        async with at_once:
             try:
-                samples += await demo.play(tag, spec, i)
-            except Exception as err:  # the env's (or a tool's) own bug: skip this demo, keep the others
-                samples.failed_episodes += 1
+                return await demo.play(tag, spec, i)
+            except Exception as err:  # the env's (or a tool's) own bug, or a hang: skip this demo, keep the others
                 error = f"{type(err).__name__}: {err}"
-                first_error = first_error or f"envs.train.{tag} ({spec.env_id}): {error}"
+                errors.append(f"envs.train.{tag} ({spec.env_id}): {error}")
                 log_failure(f"demo episode {i} of envs.train.{tag} ({spec.env_id})", error)
-            tick()
+                return None
+            finally:
+                tick()
+
+    try:
+        played = await asyncio.gather(*(play(i) for i in range(episodes)))
     finally:
         for box in boxes.values():
             await box.aclose()
+    samples = Demos()
+    for episode in played:
+        if episode is None:
+            samples.failed_episodes += 1
+        else:
+            samples += episode
     if episodes and samples.failed_episodes == episodes:
-        raise ConfigError(f"trainer.sft: all {episodes} expert demo episodes failed; the first: {first_error}")
+        raise ConfigError(f"trainer.sft: all {episodes} expert demo episodes failed; the first: {errors[0]}")
     return samples
 
 
@@ -86,9 +100,10 @@ class _Demo:
     async def play(self, tag: str, spec: TrainEnvConfig, i: int) -> list[Sample]:
         """The episode's turns as samples (all or nothing: a failing episode gives no samples)."""
         episode_id = group_id_for("demo", tag, i)
-        env = make_env(spec.env_id, **spec.kwargs)
-        obs, _ = env.reset(seed=DEMO_SEED_OFFSET + spec.seed_start + i)
-        messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
+        env = await self._call(make_env, spec.env_id, what="building the env", **spec.kwargs)
+        obs, _ = await self._call(env.reset, seed=DEMO_SEED_OFFSET + spec.seed_start + i, what="env.reset")
+        system = await self._call(env.system_prompt, what="env.system_prompt")
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": obs}]
         turn_starts, calls_left = [1], self.cfg.tools.max_calls_per_episode
         noise, rng = self.cfg.trainer.sft.expert_noise, random.Random(NOISE_SEED * (i + 1))
         samples: list[Sample] = []
@@ -96,11 +111,12 @@ class _Demo:
             await self.box.open_session(episode_id)
         try:
             for turn in range(spec.max_turns or env.max_steps):
-                action = env.expert_action()
+                action = await self._call(env.expert_action, what="env.expert_action")
                 if action is None:
                     break
                 if noise and self.box is None and rng.random() < noise:
-                    action = env.random_action(rng)  # a mistake to recover from: played, not trained on
+                    action = await self._call(env.random_action, rng, what="env.random_action")  # a mistake to
+                    # recover from: played, not trained on
                 else:
                     samples.append(self._sample(self._prompt(messages, turn_starts, turn), action, episode_id))
                 messages.append({"role": "assistant", "content": action})
@@ -110,10 +126,10 @@ class _Demo:
                     contents = await tool_contents(self.box, calls, allowed, episode_id)
                     calls_left -= min(len(calls), allowed)
                     if hasattr(env, "observe_tool_results"):
-                        env.observe_tool_results(contents)
+                        await self._call(env.observe_tool_results, contents, what="env.observe_tool_results")
                     pending = [{"role": "tool", "content": c} for c in contents]
                 else:
-                    obs, _, terminated, truncated, _ = env.step(action)
+                    obs, _, terminated, truncated, _ = await self._call(env.step, action, what="env.step")
                     if terminated or truncated:
                         break
                     pending = [{"role": "user", "content": obs}]
@@ -123,6 +139,10 @@ class _Demo:
             if self.box is not None:
                 await self.box.close_session(episode_id)
         return samples
+
+    async def _call(self, fn: Callable, *args: Any, what: str, **kwargs: Any) -> Any:
+        """An env call within `envs.step_timeout_s` (EnvCallTimeout after it: the episode is skipped)."""
+        return await acall_with_timeout(fn, *args, timeout_s=self.cfg.envs.step_timeout_s, what=what, **kwargs)
 
     def _prompt(self, messages: Messages, turn_starts: list[int], turn: int) -> list[int]:
         envs = self.cfg.envs

@@ -16,6 +16,7 @@ import gymnasium as gym
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.envs.base import REQUIRED_METRICS, TextEnv
+from agentrl.envs.env_calls import BoundedEnv, call_with_timeout
 from agentrl.envs.registry import make_env
 
 UNPARSABLE = "I am not sure what to do."
@@ -26,16 +27,28 @@ class ContractViolation(Exception):
     """The env breaks the text-env contract (message says how)."""
 
 
-def check_text_env(env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 20, seed: int = 0) -> dict:
+def check_text_env(
+    env_id: str, kwargs: dict[str, Any] | None = None, episodes: int = 20, seed: int = 0, timeout_s: float = 30.0
+) -> dict:
     """Run all checks and episodes; returns a report whose "violations" list is empty when the env passes.
 
+    Every env call is bounded by `timeout_s` (a hanging env is a violation, and the check ends there: the hung
+    call may still be running on the env); gymnasium's own checker, which makes a few dozen calls, by 10x that.
     Raises UnknownEnvError / TypeError when the env cannot even be built (a usage mistake, not a violation).
     """
     kwargs = dict(kwargs or {})
-    env = make_env(env_id, **kwargs)
+    env = BoundedEnv(call_with_timeout(make_env, env_id, timeout_s=timeout_s, what="building the env", **kwargs),
+                     timeout_s)  # fmt: skip
     violations: list[str] = []
     report: dict[str, Any] = {"env": env_id, "kwargs": kwargs, "violations": violations}
-    violations += _gymnasium_checks(env_id, kwargs)
+    try:
+        violations += call_with_timeout(
+            _gymnasium_checks, env_id, kwargs, timeout_s=10 * timeout_s, what="gymnasium's env checker"
+        )
+    except TimeoutError as err:
+        violations.append(str(err))
+        report["ok"] = False
+        return report
     try:
         _contract_checks(env, seed)
         report["random"] = _run_agent(env, "random", episodes, seed)
@@ -44,10 +57,15 @@ def check_text_env(env_id: str, kwargs: dict[str, Any] | None = None, episodes: 
         report["expert"] = _run_agent(env, "expert", episodes, seed) if has_expert else None
     except ContractViolation as err:
         violations.append(str(err))
+    except TimeoutError as err:
+        violations.append(str(err))
     except Exception as err:
         violations.append(f"raised {type(err).__name__}: {err}")
     finally:
-        env.close()
+        try:
+            env.close()
+        except Exception as err:  # a close that hangs or raises is the env's problem to report, not ours to die of
+            violations.append(f"close() raised {type(err).__name__}: {err}")
     report["ok"] = not violations
     return report
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 import agentrl
@@ -53,5 +54,36 @@ class NoMetricsEnv(CountToEnv):
         return obs, reward, terminated, truncated, {}
 
 
+class HangingEnv(CountToEnv):
+    """Hangs for `hang_s` seconds in `hang_in` (init, reset or step) on episodes whose seed is a multiple of
+    `every` (an unseeded reset never hangs); raises in step on seeds that leave 1 modulo `raise_every` (0: never).
+    The drill of a bad user env."""
+
+    def __init__(self, hang_in: str = "step", hang_s: float = 30.0, every: int = 3, raise_every: int = 0,
+                 **kwargs: Any) -> None:  # fmt: skip
+        super().__init__(**kwargs)
+        self.hang_in, self.hang_s, self.every, self.raise_every = hang_in, hang_s, every, raise_every
+        self.seed: int | None = None
+        if hang_in == "init":
+            time.sleep(hang_s)
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self.seed = seed
+        if self.hang_in == "reset" and self._marked(self.every):
+            time.sleep(self.hang_s)
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action: str):
+        if self.hang_in == "step" and self._marked(self.every):
+            time.sleep(self.hang_s)
+        if self.raise_every and self.seed is not None and self.seed % self.raise_every == 1:
+            raise RuntimeError("the env's own bug")
+        return super().step(action)
+
+    def _marked(self, every: int) -> bool:
+        return self.seed is not None and self.seed % every == 0
+
+
 agentrl.register_env("tests/CountTo-v0", CountToEnv, target=3)
+agentrl.register_env("tests/Hanging-v0", HangingEnv)
 agentrl.register_env("tests/NoMetrics-v0", NoMetricsEnv)

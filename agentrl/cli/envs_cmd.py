@@ -31,6 +31,9 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     c.add_argument("kwargs", nargs="*", help="env kwargs as key=value (values are Python literals or plain text)")
     c.add_argument("--episodes", type=int, default=20, help="episodes per agent (default 20)")
     c.add_argument("--seed", type=int, default=0, help="first episode seed (default 0)")
+    c.add_argument(
+        "--timeout-s", type=float, default=30.0, help="limit of each env call, as envs.step_timeout_s (default 30)"
+    )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.set_defaults(func=_check)
 
@@ -81,7 +84,7 @@ def _check(args: argparse.Namespace) -> int:
         unknown = sorted(set(kwargs) - set(known))
         if unknown and "**kwargs" not in known:
             raise UsageError(f"{args.env_id} has no kwarg(s) {unknown}; it accepts: {', '.join(known)}")
-        report = check_text_env(args.env_id, kwargs, episodes=args.episodes, seed=args.seed)
+        report = check_text_env(args.env_id, kwargs, episodes=args.episodes, seed=args.seed, timeout_s=args.timeout_s)
     except UnknownEnvError as err:
         raise UsageError(str(err)) from None
     except (TypeError, ValueError) as err:  # raised while building the env: bad kwargs or values

@@ -173,16 +173,20 @@ def check_turn_limits(cfg: Config) -> None:
                 )
 
 
-def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int]]) -> str | None:
-    """Runs in a Ray worker: build and reset every env; the first failure as one line, or None."""
+def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int]], timeout_s: float) -> str | None:
+    """Runs in a Ray worker: build and reset every env, each call within `timeout_s`; the first failure as one
+    line, or None."""
     from agentrl.envs import UnknownEnvError
+    from agentrl.envs.env_calls import EnvCallTimeout, call_with_timeout
     from agentrl.plugins import import_errors
 
     for where, env_id, kwargs, seed in envs:
         try:
-            env = _make_env(env_id, kwargs)
-            env.reset(seed=seed)
-            env.close()
+            env = call_with_timeout(_make_env, env_id, kwargs, timeout_s=timeout_s, what="building the env")
+            call_with_timeout(env.reset, seed=seed, timeout_s=timeout_s, what="env.reset")
+            call_with_timeout(env.close, timeout_s=timeout_s, what="env.close")
+        except EnvCallTimeout as err:
+            return f"{where}: {env_id}: {err} (envs.step_timeout_s)"
         except UnknownEnvError:
             hint = f"; in this worker {'; '.join(import_errors)}" if import_errors else ""
             return (
@@ -195,7 +199,7 @@ def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int]]) -> str | No
     return None
 
 
-def check_envs_in_actor(cfg: Config, timeout_s: float = 300.0) -> None:
+def check_envs_in_actor(cfg: Config, start_timeout_s: float = 120.0) -> None:
     """Build and reset every configured env once in a Ray worker, started like the env managers, before any
     engine starts: an env that the workers cannot make (module not imported there, bad kwargs, a crashing
     constructor) is one ConfigError line now instead of every episode failing later."""
@@ -210,8 +214,10 @@ def check_envs_in_actor(cfg: Config, timeout_s: float = 300.0) -> None:
         for tag, env in section.items()
     ]
     probe = ray.remote(_make_each_env).options(num_cpus=0, runtime_env={"env_vars": worker_env()})
+    call_s = cfg.envs.step_timeout_s
+    timeout_s = start_timeout_s + 3 * call_s * len(envs)  # the worker's start, then at most 3 bounded calls an env
     try:
-        problem = ray.get(probe.remote(envs), timeout=timeout_s)
+        problem = ray.get(probe.remote(envs, call_s), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         raise ConfigError(f"envs: building the envs in a Ray worker took over {timeout_s:.0f}s") from None
     except ray.exceptions.RayError as err:  # the worker itself died (e.g. a user module that kills it)

@@ -1,0 +1,97 @@
+"""Env code (a user's `reset`, `step`, `expert_action`, constructor) run with a time limit, in every phase that
+calls it outside the env managers' own executor: the warm start's expert demos, the pre-flight env check and
+`agentrl check-env`.
+
+Each call runs in a daemon thread of its own: a call past its limit raises `EnvCallTimeout` and its thread is
+abandoned (Python cannot stop a thread; daemon, it never holds up the exit). A pool would not do: every hung call
+would keep one of its few workers for good, and the phase would stall once they were all taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class EnvCallTimeout(TimeoutError):
+    """An env call that did not return within its limit."""
+
+
+def _start(fn: Callable, args: tuple, kwargs: dict, done: Callable[[bool, Any], None], name: str) -> None:
+    def run() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as err:  # handed to the caller, which re-raises it
+            done(False, err)
+        else:
+            done(True, result)
+
+    threading.Thread(target=run, name=f"env-call {name}", daemon=True).start()
+
+
+def call_with_timeout(fn: Callable, *args: Any, timeout_s: float, what: str = "env call", **kwargs: Any) -> Any:
+    """`fn(*args, **kwargs)`, or EnvCallTimeout after `timeout_s` seconds; `fn`'s own exception is raised as is."""
+    box: list = []
+    finished = threading.Event()
+
+    def done(ok: bool, value: Any) -> None:
+        box.append((ok, value))
+        finished.set()
+
+    _start(fn, args, kwargs, done, what)
+    if not finished.wait(timeout_s):
+        raise EnvCallTimeout(f"{what} timed out after {timeout_s:g}s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
+
+
+async def acall_with_timeout(fn: Callable, *args: Any, timeout_s: float, what: str = "env call", **kwargs: Any) -> Any:
+    """The same from a coroutine, without blocking its event loop."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future = loop.create_future()
+
+    def done(ok: bool, value: Any) -> None:
+        def settle() -> None:
+            if future.done():  # timed out already: nobody waits for it
+                return
+            if ok:
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+        try:
+            loop.call_soon_threadsafe(settle)
+        except RuntimeError:  # the loop has closed since: the caller gave up long ago
+            pass
+
+    _start(fn, args, kwargs, done, what)
+    try:
+        return await asyncio.wait_for(future, timeout_s)
+    except TimeoutError:
+        raise EnvCallTimeout(f"{what} timed out after {timeout_s:g}s") from None
+
+
+class BoundedEnv:
+    """An env whose every method call runs under `call_with_timeout`; attributes that are not methods pass through.
+    For the synchronous checks (pre-flight, check-env), which call the env in many places."""
+
+    def __init__(self, env: Any, timeout_s: float) -> None:
+        self._env, self._timeout_s = env, timeout_s
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._env, name)
+        if not callable(value):
+            return value
+
+        def bounded(*args: Any, **kwargs: Any) -> Any:
+            return call_with_timeout(value, *args, timeout_s=self._timeout_s, what=f"env.{name}", **kwargs)
+
+        return bounded
+
+    @property
+    def unwrapped(self) -> Any:
+        return self._env
