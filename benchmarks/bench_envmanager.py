@@ -13,7 +13,6 @@ import argparse
 import asyncio
 import json
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from agentrl.config.schema import EnvsConfig, ToolsConfig
 from agentrl.envmanager.episode import EpisodeRunner
@@ -71,9 +70,7 @@ async def main(engine_ms: float, episodes: int, concurrent: int) -> dict:
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny"))
     engine = ScriptedEngine(tok, engine_ms / 1000)
-    runner = EpisodeRunner(
-        tok, engine, lambda i, k: make_env(i, **k), EnvsConfig(), ToolsConfig(), ThreadPoolExecutor(4)
-    )
+    runner = EpisodeRunner(tok, engine, lambda i, k: make_env(i, **k), EnvsConfig(), ToolsConfig())
     await runner.run(_spec(10_000))  # warm-up
     t0, engine.work_s, engine.call_s = time.perf_counter(), 0.0, 0.0
     turns = 0

@@ -8,7 +8,6 @@ import asyncio
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import ClassVar
 
 import pytest
@@ -34,6 +33,20 @@ class FlakySokoban(SokobanEnv):
         return super().reset(seed=seed, options=options)
 
 
+class HangSokoban(SokobanEnv):
+    """Every step of an episode whose seed is a multiple of 4 hangs 5 s (a blocking call gone wrong)."""
+
+    def reset(self, *, seed=None, options=None):
+        self.hangs = seed is not None and seed % 4 == 0
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self.hangs:
+            time.sleep(5)
+        return super().step(action)
+
+
+register_env("test/HangSokoban-v0", f"{__name__}:HangSokoban", dim_room=(6, 6), num_boxes=1, max_steps=15)
 register_env("test/FlakySokoban-v0", f"{__name__}:FlakySokoban", dim_room=(6, 6), num_boxes=1, max_steps=15)
 
 
@@ -98,9 +111,7 @@ def _expert_script():
 
 
 def _runner(tokenizer, engine, **envs) -> EpisodeRunner:
-    return EpisodeRunner(
-        tokenizer, engine, lambda i, k: make_env(i, **k), EnvsConfig(**envs), ToolsConfig(), ThreadPoolExecutor(4)
-    )
+    return EpisodeRunner(tokenizer, engine, lambda i, k: make_env(i, **k), EnvsConfig(**envs), ToolsConfig())
 
 
 def _spec(seed: int, env_id: str = "agentrl/SimpleSokoban-v0", **kw) -> EpisodeSpec:
@@ -169,6 +180,20 @@ async def test_crashing_env_fails_only_its_episodes(tokenizer):
     assert all(r.truncation is not None for r in results if not r.failed)
 
 
+async def test_hung_env_calls_never_starve_the_other_episodes(tokenizer):
+    """More hung steps than env threads: a hung call gives its slot up at its timeout, and the other episodes'
+    calls are timed from when they start, not while they queue. Behind a fixed 2-thread pool the two hung calls
+    held both threads and every other episode's step timed out in the queue."""
+    runner = _runner(
+        tokenizer, ScriptedEngine(tokenizer, lambda e, p: "<answer>Left</answer>"), env_threads=2, step_timeout_s=0.5
+    )
+    specs = [EpisodeSpec("test/HangSokoban-v0", s, "s", max_turns=3) for s in range(8)]
+    results = await asyncio.gather(*(runner.run(spec) for spec in specs))
+    failed = {spec.seed for spec, r in zip(specs, results, strict=True) if r.failed}
+    assert failed == {0, 4}, [r.error for r in results]
+    assert all("timed out after 0.5" in r.error for r in results if r.failed)
+
+
 async def test_tool_calls_run_concurrently_and_errors_reach_the_model(tokenizer):
     toolbox_cfg = ToolsConfig(sets={"calc": {"calculator": ToolSpec(python="agentrl.tools.calculator:calculator")}})
     from agentrl.tools import build_toolbox, parse_tool_calls
@@ -188,7 +213,6 @@ async def test_tool_calls_run_concurrently_and_errors_reach_the_model(tokenizer)
         lambda i, k: make_env(i, **k),
         EnvsConfig(),
         ToolsConfig(max_calls_per_turn=4),
-        ThreadPoolExecutor(2),
         toolboxes={("calc",): build_toolbox(toolbox_cfg, ["calc"])},
         tool_parser=parse_tool_calls,
     )

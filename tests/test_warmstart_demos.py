@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -56,7 +55,6 @@ async def _policy_turns(cfg: Config, tokenizer: Any, seed: int) -> tuple[list[li
         make,
         cfg.envs,
         cfg.tools,
-        ThreadPoolExecutor(2),
         toolboxes=build_toolboxes(cfg),
         tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
     )

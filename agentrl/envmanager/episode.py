@@ -1,6 +1,7 @@
 """One multi-turn episode: generate, run tool calls or step the env, append observations as token deltas.
 
-Everything slow or foreign (env.reset/step, tools, rewards) runs off the event loop with a timeout. A crashing
+Everything slow or foreign (env.reset/step, tools, rewards) runs off the event loop with a timeout, counted from
+when the call starts (`agentrl.envs.env_calls`: a hung call gives its thread up, never the others' turn). A crashing
 or hanging env fails only its own episode: the episode carries the error and the manager counts it.
 """
 
@@ -9,12 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
 from agentrl.config.schema import EnvsConfig, SamplingConfig, ToolsConfig
 from agentrl.envmanager.chat import ChatTokens
+from agentrl.envs.env_calls import acall_with_timeout
 from agentrl.rollout.partial import generate_resumable
 from agentrl.types import Episode, EpisodeSpec, GenOutput, Turn
 
@@ -47,7 +48,6 @@ class EpisodeRunner:
         make_env: Callable[[str, dict], Any],
         envs: EnvsConfig,
         tools: ToolsConfig,
-        executor: Executor,
         toolboxes: dict[tuple[str, ...], Any] | None = None,
         tool_parser: Callable[[str], list] | None = None,
     ):
@@ -56,7 +56,7 @@ class EpisodeRunner:
         self.make_env = make_env
         self.envs = envs
         self.tools = tools
-        self.executor = executor
+        self._env_slots = asyncio.Semaphore(envs.env_threads)
         self.toolboxes = toolboxes or {}
         self.tool_parser = tool_parser
         self._chats: dict[tuple[str, ...], ChatTokens] = {}
@@ -68,8 +68,10 @@ class EpisodeRunner:
         return self._chats[tool_sets]
 
     async def _off_loop(self, fn: Callable, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        return await asyncio.wait_for(loop.run_in_executor(self.executor, fn, *args), self.envs.step_timeout_s)
+        """`fn(*args)` on an env thread, `envs.env_threads` at a time; a call past `envs.step_timeout_s` frees its
+        slot at once."""
+        async with self._env_slots:
+            return await acall_with_timeout(fn, *args, timeout_s=self.envs.step_timeout_s)
 
     async def run(self, spec: EpisodeSpec) -> Episode:
         ep = Episode(episode_id=spec.episode_id, group_id=spec.group_id, env_id=spec.env_id)

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -103,7 +102,6 @@ class EnvManager:
             _make_env,
             cfg.envs,
             cfg.tools,
-            ThreadPoolExecutor(max_workers=cfg.envs.env_threads, thread_name_prefix="env"),
             toolboxes=build_toolboxes(cfg),
             tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
         )
