@@ -94,6 +94,12 @@ def test_logprobs_and_entropy_match_hf(run, layout, model):
     assert run["logprob_without_entropy_equal"]
 
 
+@pytest.mark.parametrize("key", ["temperature", "truncated"])
+def test_logprobs_and_entropy_of_the_sampling_distribution_match_hf(run, key):
+    assert run[f"sampling_logprob_diff_{key}"] < TOL
+    assert run[f"sampling_entropy_diff_{key}"] < TOL
+
+
 def test_several_micro_batches_of_different_shapes_in_one_schedule(run):
     assert run["several_microbatches_diff"] < TOL
 

@@ -202,6 +202,21 @@ class RolloutConfig(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _logprobs_of_the_sampled_distribution(self) -> RolloutConfig:
+        """The trainer's log-probs are of the distribution the tokens were drawn from (temperature, top-k, top-p:
+        agentrl.trainer.losses.SamplingDist), and so must the engine's behaviour log-probs be. SGLang's are after
+        the temperature but before top-k / top-p (its sampler returns log(softmax(logits / T))), so with either
+        they would be of another distribution than the one sampled and trained."""
+        s = self.sampling
+        if self.backend == "sglang" and s.temperature >= 1e-5 and (s.top_p < 1 or s.top_k > 0):  # 1e-5: greedy
+            raise ValueError(
+                f"rollout.backend=sglang reports log-probs before top-p / top-k, not of the distribution it samples "
+                f"(top_p={s.top_p}, top_k={s.top_k}): set rollout.sampling.top_p: 1 and top_k: -1, or use "
+                "backend: vllm"
+            )
+        return self
+
 
 TINY_LR, MODEL_LR = 3e-4, 1e-6  # RL on the built-in tiny model; on a pretrained LLM
 TINY_SFT_LR, MODEL_SFT_LR = 1e-3, 1e-5

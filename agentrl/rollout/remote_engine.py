@@ -15,6 +15,15 @@ Flavours (the `flavor` kwarg, or "auto" to detect from the server):
 
 Connection errors, timeouts and 5xx answers raise RetryableEngineError (another engine may serve the request);
 4xx answers raise RejectedError (an EngineError with the status code) with the server's message.
+
+Behaviour log-probs: the trainer's are of the distribution the tokens were drawn from (temperature, then top-k /
+top-p, renormalised: `agentrl.trainer.losses.SamplingDist`), like the in-process vLLM engine's. The server decides
+what it reports, and no request field changes it: a vLLM server ("vllm", "openai") must be started with
+`--logprobs-mode processed_logprobs` (its default, raw_logprobs, is the model's distribution before temperature,
+top-k and top-p; the two agree only at temperature 1 without top-k / top-p). An SGLang server reports
+log(softmax(logits / T)): after the temperature, before top-k / top-p, so it matches with top_p 1 and top_k -1
+only (SGLANG_RETURN_ORIGINAL_LOGPROB=1 would drop the temperature too: leave it unset). A mismatch shows as a
+large `train/rollout_logprob_diff`.
 """
 
 from __future__ import annotations

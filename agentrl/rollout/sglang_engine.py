@@ -2,6 +2,12 @@
 
 SGLang is CUDA-only, so it is imported lazily (inside `start`) and this module imports on any machine. The
 request / result mapping lives in `agentrl.rollout.sglang_protocol`, shared with the remote HTTP backend.
+
+Behaviour log-probs: SGLang (0.5.x sampler, read) returns log(softmax(logits / temperature)) of the sampled token,
+after the temperature (as the trainer computes them) but before top-k / top-p renormalisation, and no request or
+engine option returns the truncated ones (SGLANG_RETURN_ORIGINAL_LOGPROB=1 only drops the temperature too). So the
+config refuses top_p < 1 or top_k > 0 with this backend (`RolloutConfig`): otherwise the trainer's log-probs, of the
+truncated distribution the tokens were drawn from, would not be those of the engine.
 """
 
 from __future__ import annotations

@@ -74,6 +74,17 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             # actor's samples in a profile of a run, at ~1,500 short requests per RL step): nothing here reads them.
             disable_log_stats=True,
             worker_extension_cls="agentrl.rollout.vllm_worker.AgentrlWorkerExtension",
+            # Behaviour log-probs of the distribution each token was drawn from. vLLM's default (raw_logprobs) is
+            # log_softmax of the model's logits, before temperature and top-k / top-p. processed_logprobs (vLLM
+            # v1 Sampler, 0.32 read) is log_softmax of the logits the sampler draws from: after the logits
+            # processors (bad words, min_tokens, logit bias, penalties: none of which agentrl sets), divided by
+            # the temperature, min_p, then top-k and top-p set to -inf outside the kept set, so the log_softmax
+            # renormalises over it (apply_top_k_top_p: top-k by value, then top-p over what is left).
+            # Greedy requests (temperature < 1e-5) report the logits' log_softmax, untempered. The trainer
+            # computes the same (agentrl.trainer.losses.SamplingDist). At temperature 1 with no top-k / top-p
+            # both modes give the same numbers. Cost: on CUDA, vLLM's FlashInfer top-k/top-p sampler cannot
+            # return processed log-probs, so a truncating config samples with vLLM's PyTorch path instead.
+            logprobs_mode="processed_logprobs",
             # vLLM-CPU's default 128-token KV blocks are larger than a whole step-wise prompt, so the shared system
             # prompt never hit the prefix cache; 32-token blocks do (measured ~25% faster Sokoban rollouts).
             **(

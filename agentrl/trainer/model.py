@@ -12,7 +12,7 @@ import functools
 import torch
 from torch import nn
 
-from agentrl.trainer.losses import token_logprobs
+from agentrl.trainer.losses import MODEL_DIST, SamplingDist, token_logprobs
 from agentrl.trainer.prompt_sharing import SharingPlan, plan_sharing, shared_logits
 
 
@@ -155,21 +155,26 @@ def forward_logprobs(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
     with_entropy: bool = False,
-    temperature: float = 1.0,
+    sampling_dist: SamplingDist = MODEL_DIST,
     entropy_grad: bool = True,
     plan: SharingPlan | str | None = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (and entropies) of batch['input_ids'] under `model`, aligned with the tokens.
 
     With a `loss_mask` in the batch only its tokens are computed (every other position holds 0); without, all.
-    `plan`: how to run repeated prompts once ("auto": `sharing_plan`; None: the plain pass).
+    `sampling_dist`: of which distribution: the model's own, or the one the engines sample from (temperature,
+    top-k, top-p: `SamplingDist`). `plan`: how to run repeated prompts once ("auto": `sharing_plan`; None: the
+    plain pass).
     """
     ids = batch["input_ids"]
     targets = loss_positions(batch)
     if targets is None:
         targets = torch.arange(1, ids.shape[1], device=ids.device)
     logits = causal_logits(model, batch, targets - 1, sharing_plan(model, batch) if isinstance(plan, str) else plan)
-    logp, ent = token_logprobs(logits, ids[:, targets], temperature, with_entropy, entropy_grad)
+    d = sampling_dist
+    logp, ent = token_logprobs(
+        logits, ids[:, targets], d.temperature, with_entropy, entropy_grad, top_p=d.top_p, top_k=d.top_k
+    )
     if "loss_mask" in batch:  # a column some row trains on holds other rows' non-loss tokens
         keep = batch["loss_mask"][:, targets] > 0
         logp = torch.where(keep, logp, logp.new_zeros(()))

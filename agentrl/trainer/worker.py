@@ -147,6 +147,9 @@ class TrainerRank(WeightPublisher):
         self.cfg = Config.model_validate(cfg)
         self.tc = self.cfg.trainer
         self.alg = self.tc.algorithm
+        # The distribution every token of a trained sample was drawn from (one `rollout.sampling` for every env tag):
+        # RL log-probs and entropies are of it, as the engines' behaviour log-probs are; SFT's are the model's own.
+        self.sampling_dist = losses.SamplingDist.of(self.cfg.rollout.sampling)
         self.rank, self.world = rank, world_size
         self.model_path = model_path
         plat = detect()
@@ -238,10 +241,11 @@ class TrainerRank(WeightPublisher):
     def _logprob_pass(
         self, model, samples: list[Sample], mbs: list[list[int]], every_token: bool = False
     ) -> dict[int, list[float]]:
-        """Log-probs of the loss-mask tokens (0 elsewhere), or of every token (values, for the critic)."""
+        """Log-probs (of the sampling distribution) of the loss-mask tokens (0 elsewhere), or of every token (values,
+        for the critic)."""
         masks = {} if every_token else {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
         batches = self._micro_batches(samples, mbs, masks)
-        outs = self.backend.forward_backward(model, batches, forward_only=True)
+        outs = self.backend.forward_backward(model, batches, forward_only=True, sampling_dist=self.sampling_dist)
         out: dict[int, list[float]] = {}
         for idx, layout, per_token in zip(mbs, batches.layouts, outs, strict=True):
             out.update(zip(idx, scatter_back(per_token, layout), strict=False))
@@ -416,7 +420,7 @@ class TrainerRank(WeightPublisher):
                 mbs = self._plan(rl.samples, trained, shared=self._shares_prompts(grad=True), prompts=rl.prompts)
                 rows = self.backend.forward_backward(
                     self.model, self._micro_batches(rl.samples, mbs, rl.fields), partial(self._rl_loss, denom=denom),
-                    with_entropy=True, entropy_grad=self.alg.entropy_coef > 0,
+                    with_entropy=True, entropy_grad=self.alg.entropy_coef > 0, sampling_dist=self.sampling_dist,
                 )  # fmt: skip
                 if self.critic is not None:
                     batches = self._micro_batches(rl.samples, mbs, rl.fields)
@@ -530,7 +534,8 @@ class TrainerRank(WeightPublisher):
         }
 
     def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
-        """This rank's share of the batch's log-probs under the current weights (merged by the driver)."""
+        """This rank's share of the batch's log-probs under the current weights, of the distribution the engines
+        sample from (merged by the driver)."""
         self.model.eval()
         return self._logprob_pass(self.model, samples, self._plan(samples), every_token=True)
 

@@ -95,6 +95,7 @@ def main() -> None:
     from agentrl.platform import detect
     from agentrl.trainer.backends import create_backend
     from agentrl.trainer.backends.megatron import _unwrap
+    from agentrl.trainer.losses import SamplingDist
     from agentrl.trainer.model import forward_logprobs, forward_values, load_causal_lm, load_value_model
 
     path = resolve_model_path("builtin:tiny")
@@ -169,6 +170,17 @@ def main() -> None:
         _, none = logprobs(backend, policy, bs["packed"])
         lp_ent, _ = logprobs(backend, policy, bs["packed"], with_entropy=True)
     res["logprob_without_entropy_equal"] = none is None and torch.equal(lp_only, lp_ent)
+    # Of the distribution the engines sample from: a temperature alone (vocab-parallel), and top-k / top-p (the
+    # vocabulary gathered): log-probs and entropies against the HF model's.
+    for key, sd in (("temperature", SamplingDist(0.7)), ("truncated", SamplingDist(0.7, 0.9, 20))):
+        batch = bs["pad"]
+        kw = {"forward_only": True, "with_entropy": True, "sampling_dist": sd}
+        with torch.no_grad():
+            out = backend.forward_backward(policy, [batch], lambda b, lp, e: (lp.sum() * 0, {"lp": lp, "e": e}), **kw)
+            hlp, hent = forward_logprobs(hf, batch, with_entropy=True, sampling_dist=sd)
+        real = batch["seq_ids"] >= 0
+        res[f"sampling_logprob_diff_{key}"] = max_diff(out[0]["lp"], hlp, real)
+        res[f"sampling_entropy_diff_{key}"] = max_diff(out[0]["e"], hent, real)
 
     # 3. One optimizer step vs torch AdamW on the HF model (same loss, clipping, weight decay on every param).
     batch = bs["pad"]

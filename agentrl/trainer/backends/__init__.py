@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from agentrl.config.schema import OptimConfig
+from agentrl.trainer.losses import MODEL_DIST, SamplingDist
 
 Role = Literal["policy", "reference", "critic"]
 Batch = dict[str, torch.Tensor]
@@ -86,6 +87,7 @@ class ModelBackend(ABC):
         forward_only: bool = False,
         with_entropy: bool = False,
         entropy_grad: bool = True,
+        sampling_dist: SamplingDist = MODEL_DIST,
     ) -> list[Any]:
         """Forward (and, unless `forward_only`, backward) of every micro-batch in `batches`, gradients summed
         over micro-batches and replicas. The backend drives the micro-batches because a pipeline-parallel
@@ -93,8 +95,9 @@ class ModelBackend(ABC):
 
         Per micro-batch, on every rank of the replica: with `loss_fn`, its `sums` (detached); without, the
         per-token output [rows, T] aligned with batch['input_ids'] as in `agentrl.trainer.model.forward_logprobs`
-        / `forward_values` (log-probs 0 outside the loss positions). `batches` may collate lazily: each item is
-        read once per pass, in order."""
+        / `forward_values` (log-probs 0 outside the loss positions). Log-probs and entropies are of
+        `sampling_dist`: the model's own distribution, or the one the engines sample from (`SamplingDist`).
+        `batches` may collate lazily: each item is read once per pass, in order."""
 
     def shares_prompts(self, model: nn.Module, grad: bool) -> bool:
         """Whether `forward_backward` runs a micro-batch's repeated prompts once (then the micro-batch planner

@@ -18,6 +18,7 @@ from torch import nn
 
 from agentrl.config.schema import OptimConfig
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
+from agentrl.trainer.losses import MODEL_DIST
 from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values, shares_prompts, sharing_plan
 from agentrl.trainer.optim import build_optimizer, clip_grad_norm
 from agentrl.trainer.prompt_sharing import SharingPlan, model_calls
@@ -89,7 +90,8 @@ class FSDP2Backend(ModelBackend):
     def shares_prompts(self, model: nn.Module, grad: bool) -> bool:
         return shares_prompts(model, grad)
 
-    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
+    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True,
+                         sampling_dist=MODEL_DIST):  # fmt: skip
         """One micro-batch after another; the loss times `dp_size` because FSDP2 averages gradients over ranks."""
         results: list = []
         with torch.no_grad() if forward_only else nullcontext():
@@ -99,7 +101,7 @@ class FSDP2Backend(ModelBackend):
                 else:
                     plan = self._agreed_plan(model, batch)
                     out, ent = forward_logprobs(
-                        model, batch, with_entropy=with_entropy, entropy_grad=entropy_grad, plan=plan
+                        model, batch, with_entropy, sampling_dist, entropy_grad=entropy_grad, plan=plan
                     )
                 if loss_fn is None:
                     results.append(out)

@@ -40,6 +40,7 @@ from agentrl.trainer.backends.megatron_bridge import (
     vocab_parallel_logprobs,
 )
 from agentrl.trainer.backends.megatron_schedule import run_schedule
+from agentrl.trainer.losses import MODEL_DIST, SamplingDist
 from agentrl.trainer.model import loss_positions
 from agentrl.trainer.optim import lr_factor
 from agentrl.trainer.sharding import resolve_checkpointing, resolve_dtype
@@ -188,17 +189,19 @@ class MegatronBackend(ModelBackend):
 
     # ------------------------------------------------------------------------------------------ forward
 
-    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True):
+    def forward_backward(self, model, batches, loss_fn=None, forward_only=False, with_entropy=False, entropy_grad=True,
+                         sampling_dist=MODEL_DIST):  # fmt: skip
         step = partial(
             self._step, critic=getattr(_unwrap(model), "agentrl_critic", False), with_entropy=with_entropy,
-            entropy_grad=entropy_grad,
+            entropy_grad=entropy_grad, sampling_dist=sampling_dist,
         )  # fmt: skip
         with torch.no_grad() if forward_only else nullcontext():
             return run_schedule(step, model, batches, loss_fn, forward_only, self.device)
 
-    def _step(self, model, batch, critic: bool, with_entropy: bool, entropy_grad: bool):
+    def _step(self, model, batch, critic: bool, with_entropy: bool, entropy_grad: bool, sampling_dist: SamplingDist):
         """One micro-batch's forward on this stage: its output, and the function the last stage turns that output
-        into per-token log-probs and entropies (TP-split logits, no vocabulary gather) or values with."""
+        into per-token log-probs and entropies (TP-split logits; the vocabulary is gathered only for top-k / top-p)
+        or values with."""
         ids = batch["input_ids"]
         T = ids.shape[1]
         targets = None if critic else loss_positions(batch)
@@ -213,7 +216,7 @@ class MegatronBackend(ModelBackend):
                 v = out[:, :T, 0].float()
                 return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1), None
             z = (out if positions is not None else out[:, :T][:, targets - 1]).float()
-            logp, ent = vocab_parallel_logprobs(z, ids[:, targets], with_entropy, entropy_grad)
+            logp, ent = vocab_parallel_logprobs(z, ids[:, targets], with_entropy, entropy_grad, sampling_dist)
             zeros = logp.new_zeros(ids.shape)
             ent = zeros.index_copy(1, targets, ent) if ent is not None else None
             return zeros.index_copy(1, targets, logp), ent

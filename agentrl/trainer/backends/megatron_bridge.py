@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from agentrl.trainer.losses import MODEL_DIST, SamplingDist, token_logprobs
+
 _LOCAL_NORMS = {
     ".input_layernorm.weight": "model.layers.{n}.input_layernorm.weight",
     ".pre_mlp_layernorm.weight": "model.layers.{n}.post_attention_layernorm.weight",
@@ -271,13 +273,30 @@ def rope_positions(gpt: nn.Module, positions: torch.Tensor):
 
 
 def vocab_parallel_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, with_entropy: bool, entropy_grad: bool
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    with_entropy: bool,
+    entropy_grad: bool,
+    sampling_dist: SamplingDist = MODEL_DIST,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log softmax(z)[target] and the entropy from this rank's vocabulary slice [..., V / tp] of the logits,
     reduced over the tensor-parallel group (no full-vocabulary tensor). Megatron's cross entropy subtracts the
-    max in place, so it gets its own copy when the entropy's backward needs the logits too."""
+    max in place, so it gets its own copy when the entropy's backward needs the logits too.
+
+    Of `sampling_dist`: a temperature divides the logits; top-k / top-p need every logit of a row to find the kept
+    set, so then the slices are gathered (a full-vocabulary tensor per micro-batch, its backward takes this
+    rank's slice) and `token_logprobs` computes them, as the FSDP2 backend does."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    if sampling_dist.truncates:
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+        tp, d = mpu.get_tensor_model_parallel_world_size(), sampling_dist
+        full = logits if tp == 1 else gather_from_tensor_model_parallel_region(logits)
+        return token_logprobs(full, targets, d.temperature, with_entropy, entropy_grad, top_p=d.top_p, top_k=d.top_k)
+    if sampling_dist.temperature != 1.0:
+        logits = logits / sampling_dist.temperature
     ent = None
     if with_entropy:
         if entropy_grad:
