@@ -253,14 +253,18 @@ class Pipeline:
         }
 
     def _cache_warm_start(self, path: Path) -> None:
-        """Export the warm-started weights to `path` (through a temporary folder: a concurrent run with the same
-        key may have saved it first, and a reader never sees half a model)."""
-        tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        self.trainer.export_weights(str(tmp), "float32")
-        try:
-            tmp.rename(path)
-        except OSError:  # another run saved it first (or trainer rank 0 wrote on another node's disk)
-            shutil.rmtree(tmp, ignore_errors=True)
+        """Save the warm-started weights at `path`: trainer rank 0 writes them into a temporary folder and renames
+        it into place on its own node (a concurrent run with the same key may have saved it first, and a reader
+        never sees half a model). A driver on another node that does not see it says so: later runs reuse it only
+        from a model.cache_dir every node shares."""
+        self.trainer.save_warm_start(str(path))
+        if not is_cached(path):
+            print(
+                f"agentrl: trainer.sft.cache: the warm start was saved at {path} on trainer rank 0's node, which "
+                "this driver does not see: set model.cache_dir to a folder every node shares to reuse it",
+                file=sys.stderr,
+                flush=True,
+            )
 
     # ---- the loop --------------------------------------------------------------------------------------------
     async def run(self, resume_from: Path | None) -> dict[str, float]:

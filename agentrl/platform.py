@@ -75,8 +75,9 @@ class Platform:
 
     def actor_env(self) -> dict[str, str]:
         """runtime_env env_vars for every actor the driver starts: `detect()` inside the actor then agrees with the
-        driver's choice instead of probing on its own (and a CPU run never grabs a device a node happens to have)."""
-        return {"AGENTRL_PLATFORM": self.kind}
+        driver's choice instead of probing on its own (and a CPU run never grabs a device a node happens to have),
+        and the driver's collective settings (`forwarded_env`)."""
+        return {**forwarded_env(), "AGENTRL_PLATFORM": self.kind}
 
     def vllm_env(self, kv_cache_gib: int = 1) -> dict[str, str]:
         """Environment variables for an in-process vLLM engine on this platform."""
@@ -91,6 +92,27 @@ class Platform:
 
 
 CPU = Platform("cpu", "cpu", "gloo", None, None, 0)
+
+# The collective libraries' settings (interfaces, timeouts, debug output) that a run takes from the driver's
+# environment to every Ray worker: Ray starts workers from each node's raylet, whose environment is not the
+# driver's, so NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME / HCCL_CONNECT_TIMEOUT set where `agentrl train` runs would
+# otherwise reach no trainer rank or engine on another node (nor on this one, when Ray was started separately).
+FORWARDED_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_GLOO_", "HCCL_", "TORCH_HCCL_", "ASCEND_")
+FORWARDED_ENV_NAMES = ("TORCH_DISTRIBUTED_DEBUG",)
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of `environ` (default: this process's) that go to Ray workers: FORWARDED_ENV_PREFIXES and
+    FORWARDED_ENV_NAMES, but never a visible-devices list (Ray sets each actor's own, e.g.
+    ASCEND_RT_VISIBLE_DEVICES) nor an install location (`*_PATH`, `*_HOME`: each node's own toolkit)."""
+    env = os.environ if environ is None else environ
+    return {
+        k: v
+        for k, v in env.items()
+        if (k.startswith(FORWARDED_ENV_PREFIXES) or k in FORWARDED_ENV_NAMES)
+        and "VISIBLE_DEVICES" not in k
+        and not k.endswith(("_PATH", "_HOME"))
+    }
 
 
 def _probe_npu() -> int:

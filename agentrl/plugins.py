@@ -1,15 +1,18 @@
 """User modules (`--import MOD`, AGENTRL_IMPORTS=a,b) loaded in the driver and in every Ray worker of a run.
 
 Why: a module that registers an env, tool or reward only registers it in the process that imports it. The CLI
-imports it in the driver; env managers, reward workers, the router and engines are separate processes, so the
-run hands them the same list through Ray's job runtime env (`ray_runtime_env()`): AGENTRL_IMPORTS and a
-PYTHONPATH with the driver's working directory, plus `load_user_modules` as the worker setup hook, which Ray runs
-in each worker process before it takes any task or actor.
+imports it in the driver; env managers, reward workers, the router and engines are separate processes, maybe on
+other nodes, so the run hands them the same list through Ray's job runtime env (`ray_runtime_env()`):
+AGENTRL_IMPORTS, the modules' own source (Ray's `py_modules`: a module file or package folder that is not an
+installed distribution is uploaded once and unpacked on every node, so nothing depends on the driver's working
+directory existing there), and `load_user_modules` as the worker setup hook, which Ray runs in each worker
+process before it takes any task or actor.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -59,13 +62,47 @@ def load_user_modules() -> None:
         logger.warning("agentrl: %s", err)
 
 
+def module_sources(names: list[str] | None = None) -> list[str]:
+    """Where the user modules `names` (default: `user_modules()`) live on this machine, for Ray's `py_modules`:
+    the folder of a top-level package or the file of a top-level module, for each one that is not part of an
+    installed distribution (those are installed on every node already)."""
+    from importlib.metadata import packages_distributions
+
+    installed = packages_distributions()
+    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    sources: list[str] = []
+    for top in dict.fromkeys(name.split(".")[0] for name in user_modules(names)):
+        if top in installed:
+            continue
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue  # not importable here: its import error is the driver's to report
+        if spec is None:
+            continue
+        locations = list(spec.submodule_search_locations or [])
+        if locations:
+            source = locations[0] if len(locations) == 1 else None  # a namespace package split over folders: no
+        else:
+            source = spec.origin if spec.origin and spec.origin.endswith(".py") else None
+        if source is None or any(os.path.realpath(source).startswith(root + os.sep) for root in roots):
+            continue
+        if source not in sources:
+            sources.append(source)
+    return sources
+
+
 def ray_runtime_env() -> dict:
-    """The job runtime env for `ray.init(runtime_env=...)`: every worker imports the user modules and sees the
-    driver's working directory on its PYTHONPATH (Ray expands ${PYTHONPATH} to the node's own value)."""
-    return {
-        "env_vars": {
-            IMPORTS_VAR: ",".join(user_modules()),
-            "PYTHONPATH": os.pathsep.join([os.getcwd(), "${PYTHONPATH}"]),
-        },
+    """The job runtime env for `ray.init(runtime_env=...)`: every worker, on any node, imports the user modules
+    (their source travels as `py_modules`) and gets the driver's collective settings (NCCL_*, GLOO_*, HCCL_*, ...:
+    `agentrl.platform.forwarded_env`)."""
+    from agentrl.platform import forwarded_env
+
+    env: dict = {
+        "env_vars": {**forwarded_env(), IMPORTS_VAR: ",".join(user_modules())},
         "worker_process_setup_hook": SETUP_HOOK,
     }
+    sources = module_sources()
+    if sources:
+        env["py_modules"] = sources
+    return env

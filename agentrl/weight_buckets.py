@@ -8,7 +8,10 @@ process group, so this module depends on neither side.
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -86,9 +89,43 @@ def unpack_bucket(flat: torch.Tensor, metas: list[TensorMeta]) -> list[tuple[str
     return out
 
 
+class SyncError(RuntimeError):
+    """A weight sync that failed on the weight-sync group (an engine died or hung in it): the sync fails, the
+    process that raises it stays usable and drops the group, and the next sync builds a new one."""
+
+
+# How the NCCL / HCCL watchdog of a weight-sync group handles a timeout or a peer's error: 2 (CleanUpOnly) aborts
+# that group's communicators and leaves the process alone. torch's default (3, SkipCleanUp) and torch_npu's
+# TearDown (1) take the whole process down: right for the training group, where a rank that goes on alone would
+# compute garbage, wrong for this one, whose peers are engines that may die (and are restarted) at any time.
+# Both read the variable when a group is constructed, so setting it around the construction is per group (a
+# user's setting for the training group is left as it was).
+_ERROR_HANDLING_VARS = {"nccl": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "hccl": "HCCL_ASYNC_ERROR_HANDLING"}
+_CLEAN_UP_ONLY = "2"
+_env_lock = threading.Lock()
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    with _env_lock:
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            yield
+        finally:
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
 def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, timeout_s: float = 600.0):
     """A process group over a fresh TCPStore (rank 0 hosts it), independent of any default group, so trainer
-    rank 0 and engine workers living in other process groups can share it. backend: gloo | nccl | hccl."""
+    rank 0 and engine workers living in other process groups can share it. backend: gloo | nccl | hccl.
+
+    `timeout_s` is the group's own: joining it and every collective on it fail after that long. With NCCL / HCCL
+    the group is built to abort only itself on a timeout or a peer's death (not the process: see
+    `_ERROR_HANDLING_VARS`)."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -99,14 +136,46 @@ def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, ti
         options = dist.ProcessGroupNCCL.Options()
         options.is_high_priority_stream = False
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        with _env(_ERROR_HANDLING_VARS["nccl"], _CLEAN_UP_ONLY):
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
     if backend == "hccl":  # checked only on a device; torch_npu exists only where an NPU does
         from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
 
         options = ProcessGroupHCCL.Options()
         options._timeout = timeout
-        return ProcessGroupHCCL(store, rank, world_size, options)
+        with _env(_ERROR_HANDLING_VARS["hccl"], _CLEAN_UP_ONLY):
+            return ProcessGroupHCCL(store, rank, world_size, options)
     raise ValueError(f"unknown weight-sync backend {backend!r} (known: gloo, nccl, hccl)")
+
+
+def wait(work, timeout_s: float | None) -> None:
+    """Wait for one collective of a weight-sync group, at most `timeout_s`. On NCCL / HCCL a wait with a timeout
+    blocks this thread until the collective ends (a plain wait only orders streams and would let a dead peer
+    hang the device's stream), and on a timeout aborts the group's communicator and raises."""
+    if timeout_s is None:
+        work.wait()
+    else:
+        work.wait(datetime.timedelta(seconds=timeout_s))
+
+
+def free_port(ports: tuple[int, int] | None = None) -> int:
+    """A port this node can listen on: any free one (`ports` None), or the first free one in the inclusive
+    range `ports` (rollout.weight_sync_ports: the one(s) a firewall between the nodes lets through)."""
+    import socket
+
+    candidates = [0] if ports is None else range(ports[0], ports[1] + 1)
+    for port in candidates:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store binds (a port in TIME_WAIT)
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise SyncError(
+        f"rollout.weight_sync_ports: no free port in {ports[0]}-{ports[1]} on trainer rank 0's node "
+        "(each run's weight-sync group holds one): widen the range"
+    )
 
 
 @dataclass(frozen=True)
@@ -126,7 +195,8 @@ class SyncGroup:
 
 
 class GroupCache:
-    """One live weight-sync group per process, replaced (and the old one shut down) when the address changes."""
+    """One live weight-sync group per process, replaced (and the old one shut down) when the address changes, and
+    dropped (aborted) after a failed sync, so that the next sync builds a new one even at the same address."""
 
     def __init__(self) -> None:
         self._key: tuple | None = None
@@ -139,12 +209,22 @@ class GroupCache:
             self._key = (*where.key, rank)
         return self._group
 
+    def fail(self) -> None:
+        """Drop the group after a failure in it: abort it (NCCL / HCCL: its communicators, which may be stuck on
+        a dead peer; a clean shutdown would wait for them) and forget it."""
+        group, self._group, self._key = self._group, None, None
+        _end(group, "abort")
+
     def close(self) -> None:
         """Drop the group; NCCL/HCCL communicators hold device memory until shut down."""
         group, self._group, self._key = self._group, None, None
-        shutdown = getattr(group, "shutdown", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception:  # a group whose peers died may fail to shut down cleanly; it is dropped either way
-                pass
+        _end(group, "shutdown")
+
+
+def _end(group, how: str) -> None:
+    end = getattr(group, how, None)
+    if end is not None:
+        try:
+            end()
+        except Exception:  # a group whose peers died may fail to end cleanly; it is dropped either way
+            pass

@@ -82,13 +82,33 @@ def test_options_are_never_abbreviated(tmp_path: Path) -> None:
     assert_one_line_error(agentrl("serve-tools", str(tools), "--token", "X"), "unrecognized arguments: --token")
 
 
-def test_ray_runtime_env_carries_imports_and_the_working_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ray_runtime_env_carries_imports_their_source_and_the_collective_settings(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What every Ray worker gets, on any node: the module names, the source of those that are not installed
+    (`py_modules`: the driver's working directory need not exist on another node) and the driver's NCCL_* /
+    GLOO_* / HCCL_* / ASCEND_* settings, never its visible devices or install locations."""
     from agentrl.plugins import ray_runtime_env
 
-    monkeypatch.setenv("AGENTRL_IMPORTS", "a.b,c")
+    (tmp_path / "my_envs.py").write_text("")
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "tools.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AGENTRL_IMPORTS", "my_envs,my_pkg.tools,agentrl.envs,json")
+    for name, value in {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1",
+                        "HCCL_CONNECT_TIMEOUT": "600", "ASCEND_GLOBAL_LOG_LEVEL": "1", "ASCEND_HOME_PATH": "/opt/a",
+                        "ASCEND_RT_VISIBLE_DEVICES": "3", "CUDA_VISIBLE_DEVICES": "3"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
     env = ray_runtime_env()
-    assert env["env_vars"]["AGENTRL_IMPORTS"] == "a.b,c"
-    assert env["env_vars"]["PYTHONPATH"].split(":")[0] == str(Path.cwd())
+    assert env["env_vars"]["AGENTRL_IMPORTS"] == "my_envs,my_pkg.tools,agentrl.envs,json"
+    assert env["py_modules"] == [str(tmp_path / "my_envs.py"), str(tmp_path / "my_pkg")]  # not agentrl, not json
+    forwarded = {"NCCL_SOCKET_IFNAME": "eth1", "GLOO_SOCKET_IFNAME": "eth1", "TORCH_NCCL_BLOCKING_WAIT": "1",
+                 "HCCL_CONNECT_TIMEOUT": "600", "ASCEND_GLOBAL_LOG_LEVEL": "1"}  # fmt: skip
+    assert forwarded.items() <= env["env_vars"].items()
+    kept_back = {"ASCEND_HOME_PATH", "ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES", "PYTHONPATH"}
+    assert not kept_back & set(env["env_vars"])
     assert env["worker_process_setup_hook"] == "agentrl.plugins.load_user_modules"
 
 

@@ -93,3 +93,28 @@ def test_disk_sync_refuses_a_weights_dir_without_room_for_two_snapshots(tmp_path
     monkeypatch.setattr(shutil, "disk_usage", real)
     TrainerRank.write_sentinel(rank, str(sentinel), "bfloat16")
     assert sentinel.exists()
+
+
+def test_the_sync_store_listens_on_a_port_of_rollout_weight_sync_ports():
+    """Cross-node, the engines' nodes must reach the weight-sync group's store on trainer rank 0's node: it binds a
+    port of `rollout.weight_sync_ports` (the first free one), dropping the group it hosted first, so a range of one
+    port serves every sync; a range with no free port fails naming the key. The rank is the real method on a
+    stand-in."""
+    from agentrl.config import load_config
+    from agentrl.weight_buckets import GroupCache, SyncError, SyncGroup
+    from tests.servers import free_port
+
+    base = free_port()
+    with socket.socket() as busy:  # someone else's listener on the first port of the range
+        busy.bind(("", base))
+        busy.listen()
+        cfg = load_config(None, [f"rollout.weight_sync_ports={base}-{base + 2}"])
+        rank = SimpleNamespace(cfg=cfg, _sync_groups=GroupCache())
+        addr, port = TrainerRank.sync_address(rank)
+        assert base < port <= base + 2
+        rank._sync_groups.get(SyncGroup(addr, port, 1, "gloo", 10.0), rank=0)  # what broadcast_weights does
+        socket.create_connection((addr, port), timeout=5).close()  # the store listens there
+        assert TrainerRank.sync_address(rank) == (addr, port)  # the same port again: the old group is gone
+        rank.cfg = load_config(None, [f"rollout.weight_sync_ports={base}"])
+        with pytest.raises(SyncError, match=rf"rollout.weight_sync_ports: no free port in {base}-{base}"):
+            TrainerRank.sync_address(rank)

@@ -1,7 +1,9 @@
 """A two-node Ray cluster on one host (tests/cluster.py): the second node has its own /dev/shm, /tmp and working
 directory. Engines are pinned to it, the trainer and the driver stay on the head: training with collective weight
 sync keeps engine and trainer log-probs equal, survives a SIGKILL of the driver and resumes from the checkpoint on
-the shared disk; disk weight sync without a shared `weights_dir` is refused at start-up."""
+the shared disk; disk weight sync without a shared `weights_dir` is refused at start-up. What travels from the
+driver: user modules from a folder the other node lacks, the collective libraries' settings; and the warm-start
+cache is finished on the node that writes it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -174,3 +177,96 @@ def test_disk_sync_without_a_shared_weights_dir_fails_at_start(cluster, spawn):
         shutil.rmtree(folder, ignore_errors=True)
     assert not left, f"the refused run left its weights folder behind: {left}"
     print(f"disk failure in {elapsed:.1f} s: {[line for line in lines if 'weights_dir' in line]}")
+
+
+TRAVEL = """
+import json, os, sys
+import ray
+from agentrl.platform import CPU
+from agentrl.plugins import import_user_modules
+from agentrl.startup import init_ray
+
+import_user_modules(["driver_side_envs"])  # what the CLI does for --import driver_side_envs
+init_ray(sys.argv[1])
+
+@ray.remote(num_cpus=0)
+class Probe:
+    def report(self):
+        from agentrl import plugins
+
+        names = ("NCCL_DEBUG", "GLOO_SOCKET_IFNAME", "HCCL_CONNECT_TIMEOUT", "ASCEND_RT_VISIBLE_DEVICES")
+        module = sys.modules.get("driver_side_envs")
+        return {"node": ray.get_runtime_context().get_node_id(), "env": {k: os.environ.get(k) for k in names},
+                "module": getattr(module, "WHERE", None), "import_errors": plugins.import_errors}
+
+# an actor with an env of its own (as trainer ranks and engines have) and one without
+ranked = Probe.options(resources={sys.argv[2]: 1}, runtime_env={"env_vars": CPU.actor_env()}).remote()
+plain = Probe.options(resources={sys.argv[2]: 1}).remote()
+out = {"driver": ray.get_runtime_context().get_node_id(), "ranked": ray.get(ranked.report.remote()),
+       "plain": ray.get(plain.report.remote())}
+print("PROBE " + json.dumps(out))
+"""
+
+
+def test_user_modules_and_collective_settings_reach_actors_on_the_other_node(cluster, tmp_path):
+    """The driver runs in a folder under /tmp, which the other node does not have: its user module travels as
+    Ray's py_modules (not as the driver's folder on PYTHONPATH); its NCCL_* / GLOO_* / HCCL_* settings reach the
+    actors there (Ray starts workers from that node's raylet, whose environment is not the driver's); its
+    visible-devices list does not."""
+    (tmp_path / "driver_side_envs.py").write_text('WHERE = "the driver\'s folder"\n')
+    env = {**cluster.env, "NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "lo", "HCCL_CONNECT_TIMEOUT": "1234",
+           "ASCEND_RT_VISIBLE_DEVICES": "7"}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", TRAVEL, cluster.address, cluster.worker_resource], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{cluster.logs()}"
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
+    for actor in ("ranked", "plain"):
+        got = out[actor]
+        assert got["node"] != out["driver"], "the probe runs on the other node"
+        assert got["import_errors"] == [] and got["module"] == "the driver's folder", got
+        assert got["env"] == {"NCCL_DEBUG": "INFO", "GLOO_SOCKET_IFNAME": "lo", "HCCL_CONNECT_TIMEOUT": "1234",
+                              "ASCEND_RT_VISIBLE_DEVICES": None}, got  # fmt: skip
+
+
+WARM_CACHE = """
+import json, os, sys
+from pathlib import Path
+from types import SimpleNamespace
+import ray
+from agentrl.config import load_config
+from agentrl.pipeline import Pipeline
+from agentrl.startup import init_ray
+from agentrl.trainer import TrainerGroup
+
+init_ray(sys.argv[1])
+path = Path(sys.argv[3])
+trainer = TrainerGroup(load_config(None, ["trainer.ray_resources={%s: 1}" % sys.argv[2], "name=warm-cache"]))
+Pipeline._cache_warm_start(SimpleNamespace(trainer=trainer), path)  # what the warm start does at its end
+
+@ray.remote(num_cpus=0)
+def look(folder):
+    folder = Path(folder)
+    found = sorted(p.name for p in folder.parent.iterdir()) if folder.parent.is_dir() else []
+    done = (folder / "model.safetensors").exists() and (folder / "config.json").exists()
+    import shutil
+    shutil.rmtree(folder.parent, ignore_errors=True)
+    return {"node": ray.get_runtime_context().get_node_id(), "done": done, "found": found}
+
+out = {"driver_sees": path.exists(), "rank0_node": ray.get(look.options(resources={sys.argv[2]: 1}).remote(str(path)))}
+trainer.shutdown()
+print("PROBE " + json.dumps(out))
+"""
+
+
+def test_the_warm_start_cache_is_finished_on_the_node_that_writes_it(cluster, tmp_path):
+    """model.cache_dir under /tmp is one node's: trainer rank 0 (on the other node) writes the cached warm start
+    there and must also rename it into place there; the driver, which cannot see it, says so."""
+    path = f"/tmp/agentrl-warm-{uuid.uuid4().hex[:8]}/warmstart-test"  # /tmp: each node has its own
+    args = [sys.executable, "-c", WARM_CACHE, cluster.address, cluster.worker_resource, path]
+    proc = subprocess.run(args, env=cluster.env, cwd=cluster.head_cwd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{cluster.logs()}"
+    out = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PROBE "))[6:])
+    assert out["rank0_node"]["done"], out
+    assert out["rank0_node"]["found"] == ["warmstart-test"], out  # no temporary folder left beside it
+    assert not out["driver_sees"], out
+    assert "which this driver does not see: set model.cache_dir to a folder every node shares" in proc.stderr

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
 
 class Section(BaseModel):
@@ -171,7 +171,15 @@ class RolloutConfig(Section):
         None, description="weight_sync=disk: a folder every node sees (default: /dev/shm, one node only)"
     )
     weight_sync_timeout_s: PositiveFloat = Field(
-        300.0, description="longest one collective weight sync may take (an engine dying in it fails it then)"
+        300.0,
+        description="the weight-sync group's own timeout: joining it and each bucket's broadcast fail after this "
+        "long (an engine dying or hanging in a sync fails that sync, not the trainer)",
+    )
+    weight_sync_ports: str | None = Field(
+        None,
+        description="collective sync across nodes: the port, or inclusive range FIRST-LAST, that trainer rank 0 "
+        "listens on for the weight-sync group's store; the engines' nodes must reach it (open it in the firewall). "
+        "Default: any free port, fine on one node or an open network",
     )
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each engine asks for, e.g. to pin engines to nodes"
@@ -183,6 +191,29 @@ class RolloutConfig(Section):
             return self.sampling
         changes = {k: v for k, v in self.val_sampling.model_dump().items() if v is not None}
         return self.sampling.model_copy(update=changes)
+
+    @property
+    def weight_sync_port_range(self) -> tuple[int, int] | None:
+        """`weight_sync_ports` as (first, last), both included; None: any free port."""
+        if self.weight_sync_ports is None:
+            return None
+        first, _, last = self.weight_sync_ports.partition("-")
+        return int(first), int(last or first)
+
+    @field_validator("weight_sync_ports", mode="before")
+    @classmethod
+    def _port_range(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        text = str(value).strip()  # YAML reads a lone port as an int
+        first, sep, last = text.partition("-")
+        try:
+            lo, hi = int(first), int(last) if sep else int(first)
+        except ValueError:
+            raise ValueError(f"expected a port or a range FIRST-LAST, e.g. 29600-29609, got {value!r}") from None
+        if not 1 <= lo <= hi <= 65535:
+            raise ValueError(f"expected ports 1-65535 with FIRST <= LAST, got {value!r}")
+        return f"{lo}-{hi}" if sep else str(lo)
 
     @property
     def resolved_weight_sync(self) -> Literal["collective", "disk"]:

@@ -18,16 +18,30 @@ from collections.abc import Iterator
 
 import torch
 
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, GroupCache, SyncGroup, TensorMeta, plan_buckets, unpack_bucket
+from agentrl.weight_buckets import (
+    DEFAULT_BUCKET_BYTES,
+    GroupCache,
+    SyncGroup,
+    TensorMeta,
+    plan_buckets,
+    unpack_bucket,
+    wait,
+)
 
 
 def receive_state_dict(
-    group, metas: list[TensorMeta], device: torch.device, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    group,
+    metas: list[TensorMeta],
+    device: torch.device,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    timeout_s: float | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver (an engine worker): yields (name, tensor) per bucket as it arrives, ready for `load_weights`."""
+    """Receiver (an engine worker): yields (name, tensor) per bucket as it arrives, ready for `load_weights`.
+    Each bucket waits at most `timeout_s` (on NCCL / HCCL a plain wait would not block, and a sender that died
+    would leave the device's stream hung): a failure raises, so no partial load passes for a sync."""
     for bucket in plan_buckets(metas, bucket_bytes):
         flat = torch.empty(sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=device)
-        group.broadcast(flat, 0).wait()
+        wait(group.broadcast(flat, 0), timeout_s)
         yield from unpack_bucket(flat, bucket)
 
 
@@ -56,10 +70,16 @@ class AgentrlWorkerExtension:
         if not hasattr(self, "_agentrl_groups"):
             self._agentrl_groups = GroupCache()
         rank = first_rank + int(getattr(self, "rank", 0))
-        pg = self._agentrl_groups.get(SyncGroup(**group), rank=rank)
+        where = SyncGroup(**group)
         device = next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
         wanted = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in metas]
-        # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked) the
-        # layers and dropped their weight loaders; its in-place reload restores them around the load
-        self.model_runner.reload_weights(weights_iterator=receive_state_dict(pg, wanted, device, bucket_bytes))  # type: ignore[attr-defined]
+        try:
+            pg = self._agentrl_groups.get(where, rank=rank)
+            received = receive_state_dict(pg, wanted, device, bucket_bytes, where.timeout_s)
+            # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
+            # the layers and dropped their weight loaders; its in-place reload restores them around the load
+            self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
+        except Exception:  # the sender or another engine died in the group: drop (abort) it, the next sync rebuilds
+            self._agentrl_groups.fail()
+            raise
         return len(wanted)

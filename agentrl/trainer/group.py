@@ -107,6 +107,11 @@ class TrainerGroup:
         (rollout.weight_sync=disk, which prunes the older snapshots) or a cached warm start."""
         return self._get(self._call("export_weights", out_dir, dtype, prune_older))
 
+    def save_warm_start(self, path: str) -> bool:
+        """The current weights (float32) as an HF model dir at `path`, written and renamed into place by rank 0
+        on its own node; False when another run saved it first."""
+        return self._get(self._call("save_warm_start", path))
+
     def write_sentinel(self, path: str, dtype: str) -> None:
         """Rank 0 writes `path` after checking its folder has room for two snapshots in `dtype` (disk sync)."""
         self._get(self._call("write_sentinel", path, dtype))
@@ -125,9 +130,10 @@ class TrainerGroup:
         return self._get(self._call("weight_metas", dtype))
 
     def sync_address(self) -> tuple[str, int]:
-        """Rank 0's node IP and a free port there: where a new weight-sync group meets (rank 0 hosts it)."""
+        """Rank 0's node IP and a free port there (from `rollout.weight_sync_ports` when set): where a new
+        weight-sync group meets (rank 0 hosts it, and drops the one it hosted)."""
         self._check_pending()
-        return ray.get(self.ranks[0].rendezvous_address.remote())
+        return ray.get(self.ranks[0].sync_address.remote())
 
     def broadcast_weights_async(self, where: dict, dtype: str, bucket_bytes: int) -> ray.ObjectRef:
         """Start sending the current weights over the weight-sync group `where` (SyncGroup fields); the engines

@@ -3,7 +3,7 @@
 (rollout.weight_sync=collective), and the checks that the folders involved are shared and big enough.
 
 A mixin of `TrainerRank` (the Ray actor), kept apart from the training steps; it uses the rank's `backend`,
-`model`, `tied`, `rank`, `model_path`, `_sync_groups` and `_pack_buffer`.
+`cfg`, `model`, `tied`, `rank`, `model_path`, `_sync_groups` and `_pack_buffer`.
 """
 
 from __future__ import annotations
@@ -11,17 +11,20 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import uuid
 
 import torch
 import torch.distributed as dist
 
+from agentrl.config.schema import Config
 from agentrl.trainer import weight_sync
 from agentrl.trainer.backends import ModelBackend
 from agentrl.trainer.checkpoint import copy_hf_side_files, write_safetensors
-from agentrl.weight_buckets import GroupCache, PackBuffer, SyncGroup
+from agentrl.weight_buckets import GroupCache, PackBuffer, SyncError, SyncGroup, free_port
 
 
 class WeightPublisher:
+    cfg: Config
     backend: ModelBackend
     model: torch.nn.Module
     tied: bool
@@ -87,11 +90,57 @@ class WeightPublisher:
     def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int) -> int:
         """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
         (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
-        Returns the bytes sent (rank 0)."""
-        group = self._sync_groups.get(SyncGroup(**where), rank=0) if self.rank == 0 else None
+        Returns the bytes sent (rank 0).
+
+        An engine that dies or hangs in the group fails the sync within the group's timeout (`SyncError` from
+        rank 0), never the trainer: rank 0 still walks every gather with the other ranks, drops (aborts) the
+        group, and the next sync builds a new one."""
+        sync = SyncGroup(**where)
+        group, join_error = None, None
+        if self.rank == 0:
+            try:
+                group = self._sync_groups.get(sync, rank=0)
+            except Exception as err:  # an engine that never joined: the store or the group timed out
+                join_error = err
         metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         full = self.backend.full_weights(self.model, self.tied)
-        return weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer)
+        try:
+            sent = weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s)
+        except SyncError:
+            self._sync_groups.fail()
+            self._pack_buffer = PackBuffer()  # an aborted send may still hold the old one
+            raise
+        if join_error is not None:
+            self._sync_groups.fail()
+            raise SyncError(
+                f"the engines did not join the weight-sync group at {sync.addr}:{sync.port} within "
+                f"{sync.timeout_s:.0f} s: {type(join_error).__name__}: {str(join_error).strip()[:300]}"
+            )
+        return sent
+
+    def sync_address(self) -> tuple[str, int]:
+        """Rank 0: where the next weight-sync group meets, this node's IP and a port from
+        `rollout.weight_sync_ports` (any free port when unset); the group it hosts now is dropped first, so a
+        range of one port is enough."""
+        import ray
+
+        self._sync_groups.close()
+        return ray.util.get_node_ip_address(), free_port(self.cfg.rollout.weight_sync_port_range)
+
+    def save_warm_start(self, path: str) -> bool:
+        """Collective: the full weights (float32) as an HF model dir at `path`, written by rank 0 into a temporary
+        folder beside it and renamed there, on rank 0's own node (the driver may be on another node, which would
+        not see the folder): a reader never sees half a model. False when another run saved it first."""
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        self.export_weights(tmp, "float32")
+        if self.rank != 0:
+            return False
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another run with the same key saved it first
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        return True
 
 
 def _remove_older_snapshots(current: str) -> None:

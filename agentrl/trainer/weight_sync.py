@@ -11,11 +11,20 @@ fits sharded still syncs, and no copy goes through host memory on an accelerator
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, PackBuffer, TensorMeta, pack_bucket, plan_buckets
+from agentrl.weight_buckets import (
+    DEFAULT_BUCKET_BYTES,
+    PackBuffer,
+    SyncError,
+    TensorMeta,
+    pack_bucket,
+    plan_buckets,
+    wait,
+)
 
 
 def weight_metas(metas: Iterable[tuple[str, Sequence[int], torch.dtype]], dtype: torch.dtype) -> list[TensorMeta]:
@@ -31,20 +40,24 @@ def stream_weights(
     metas: list[TensorMeta],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     buffer: PackBuffer | None = None,
-    sender: bool = True,
+    sender: bool | Callable[[], bool] = True,
 ) -> Iterator[torch.Tensor | None]:
     """Per bucket: the packed flat bucket on the sender's device, in `buffer` when given (each bucket overwrites
     the previous one: send it before taking the next); None on the other ranks (`sender=False`), which only take
-    part in the gathers. `full` yields the weights in `metas` order; every rank must run it to the end."""
+    part in the gathers. `sender` may be a callable, asked before each bucket (a sender whose send failed stops
+    packing but still walks the gathers). `full` yields the weights in `metas` order; every rank must run it to
+    the end."""
+    sending = sender if callable(sender) else (lambda: sender)
     weights = iter(full)
     for bucket in plan_buckets(metas, bucket_bytes):
+        send = sending()
         parts = []
         for m in bucket:
             name, t = next(weights)
             if name != m.name:
                 raise RuntimeError(f"weight order changed: got {name}, expected {m.name}")
-            parts.append(t.to(m.torch_dtype) if sender else None)
-        if not sender:
+            parts.append(t.to(m.torch_dtype) if send else None)
+        if not send:
             yield None
             continue
         size = sum(m.numel for m in bucket)
@@ -58,12 +71,34 @@ def broadcast_weights(
     metas: list[TensorMeta],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     buffer: PackBuffer | None = None,
+    timeout_s: float | None = None,
 ) -> int:
     """Collective over the trainer ranks: the sender (rank 0 of `group` too) sends each bucket; the other ranks
-    pass group None and only take part in the gathers. Returns the bytes sent."""
-    sent = 0
-    for flat in stream_weights(full, metas, bucket_bytes, buffer, sender=group is not None):
-        if flat is not None:
-            group.broadcast(flat, 0).wait()
+    pass group None and only take part in the gathers. Returns the bytes sent.
+
+    A failed send (an engine died or hung in the group: each bucket may take `timeout_s`) does not end the walk:
+    the sender stops sending but takes part in every remaining gather, so the other trainer ranks, which cannot
+    know, finish theirs and the trainer stays in step; then it raises `SyncError`."""
+    sent, started = 0, time.monotonic()
+    failures: list[str] = []  # the first failed send; asked before each bucket, so the walk goes on without sending
+    buckets = len(plan_buckets(metas, bucket_bytes))
+
+    def sending() -> bool:
+        return group is not None and not failures
+
+    for i, flat in enumerate(stream_weights(full, metas, bucket_bytes, buffer, sending)):
+        if flat is None:
+            continue
+        try:
+            wait(group.broadcast(flat, 0), timeout_s)
             sent += flat.numel() * flat.element_size()
+        except Exception as err:  # the group's error (a peer's reset, a timeout): this sync fails, not the trainer
+            failures.append(f"bucket {i + 1} of {buckets} after {time.monotonic() - started:.1f} s: {_first_line(err)}")
+    if failures:
+        raise SyncError(f"weight broadcast to the engines failed at {failures[0]}")
     return sent
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
