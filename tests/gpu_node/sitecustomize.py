@@ -39,6 +39,8 @@ def _listed(path: str) -> set[str]:
 
 
 ON_NODE = _listed(os.path.join(_NODE, "packages.txt")) | _listed(os.path.join(_NODE, "wheels.txt")) | {"agentrl"}
+
+
 def _agentrl_dependencies() -> set[str]:
     """Normalised names of every distribution agentrl requires, core and every extra."""
     try:
