@@ -30,7 +30,6 @@ import gc
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -100,12 +99,6 @@ def build_random_qwen2(out: Path, shape: str, device: str) -> str:
     return str(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def batch(groups: int, per_group: int, prompt: int, completion: int, seed: int = 0) -> list:
     """Groups of rows sharing a random prompt (what the shared-prompt pass runs once), each with its own
     completion of a random length up to `completion` (so pad and packed layouts differ), trained on."""
@@ -151,9 +144,10 @@ def trainer_config(smoke: Smoke, *overrides: str, precision: str | None = None):
 
 def new_rank(cfg, path: str):
     from agentrl.trainer.worker import TrainerRank
+    from agentrl.weight_buckets import free_port
 
     rank = TrainerRank(cfg.model_dump(mode="json", by_alias=True), path, 0, 1)
-    rank.setup("127.0.0.1", _free_port())
+    rank.setup("127.0.0.1", free_port())
     return rank
 
 
@@ -316,12 +310,12 @@ def weight_sync(smoke: Smoke) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
-    from agentrl.weight_buckets import new_group
+    from agentrl.weight_buckets import free_port, new_group
 
     lines = []
     if not smoke.cpu:  # the NCCL group the collective sync builds, at world size 1 (NCCL refuses 2 ranks on 1 GPU)
         t0 = time.perf_counter()
-        group = new_group("nccl", "127.0.0.1", _free_port(), 0, 1, timeout_s=60)
+        group = new_group("nccl", "127.0.0.1", free_port(), 0, 1, timeout_s=60)
         probe = torch.arange(1 << 20, dtype=torch.bfloat16, device="cuda")
         group.broadcast(probe, 0).wait()
         torch.cuda.synchronize()
@@ -335,7 +329,7 @@ def weight_sync(smoke: Smoke) -> list[dict]:
     with rank_of(trainer_config(smoke), path) as rank:
         rank.export_weights(str(exported), dtype="bfloat16")
         metas = rank.weight_metas("bfloat16")
-        where = {"addr": "127.0.0.1", "port": _free_port(), "world_size": 2, "backend": "gloo", "timeout_s": 120.0}
+        where = {"addr": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "timeout_s": 120.0}
         spec = json.dumps({"where": where, "metas": metas, "bucket_bytes": bucket_bytes, "out": str(received)})
         receiver = subprocess.Popen([sys.executable, __file__, "--receive", spec])
         t0 = time.perf_counter()
