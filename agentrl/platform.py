@@ -79,11 +79,11 @@ class Platform:
         and the driver's collective settings (`forwarded_env`)."""
         return {**forwarded_env(), "AGENTRL_PLATFORM": self.kind}
 
-    def vllm_env(self, kv_cache_gib: int = 1) -> dict[str, str]:
-        """Environment variables for an in-process vLLM engine on this platform."""
+    def vllm_env(self) -> dict[str, str]:
+        """Environment variables for an in-process vLLM engine on this platform (the CPU KV cache size is an engine
+        argument, kv_cache_memory_bytes: vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB only)."""
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if self.kind == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
             # vLLM's default pins OpenMP threads to cores; on small shared machines that fights the trainer.
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = "1"

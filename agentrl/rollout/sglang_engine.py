@@ -31,7 +31,7 @@ class SGLangEngine(TurnMailbox, GatedEngine):
         model_path: str,
         *,
         max_model_len: int = 4096,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 1.0,
         enforce_eager: bool | None = None,
         dtype: str = "auto",
         seed: int = 0,

@@ -45,7 +45,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         model_path: str,
         *,
         max_model_len: int = 4096,
-        kv_cache_gib: int = 1,
+        kv_cache_gib: float = 1.0,
         enforce_eager: bool | None = None,
         dtype: str = "auto",
         seed: int = 0,
@@ -56,8 +56,15 @@ class VLLMEngine(TurnMailbox, GatedEngine):
     ):
         super().__init__(version)
         self.platform = detect()
-        for key, value in self.platform.vllm_env(kv_cache_gib).items():
+        for key, value in self.platform.vllm_env().items():
             os.environ.setdefault(key, value)
+        eager = self.platform.kind == "cpu" if enforce_eager is None else enforce_eager
+        eager = (engine_kwargs or {}).get("enforce_eager", eager)
+        if eager and self.platform.kind == "cpu":
+            # An eager model still meets torch.compile in vLLM's sampler (logprobs.batched_count_greater_than):
+            # ~2.4 s of Dynamo + Inductor in each engine core's first request (a C++ build on a fresh machine)
+            # for a comparison and a sum that eager computes alike. The engine core inherits this environment.
+            os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
         derived = dict(
@@ -65,7 +72,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             skip_tokenizer_init=True,
             dtype=("float32" if self.platform.kind == "cpu" else "bfloat16") if dtype == "auto" else dtype,
             # graphs pay off on accelerators; on CPU there are none to capture
-            enforce_eager=self.platform.kind == "cpu" if enforce_eager is None else enforce_eager,
+            enforce_eager=eager,
             max_model_len=max_model_len,
             tensor_parallel_size=tensor_parallel_size,
             seed=seed,
@@ -87,8 +94,9 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             logprobs_mode="processed_logprobs",
             # vLLM-CPU's default 128-token KV blocks are larger than a whole step-wise prompt, so the shared system
             # prompt never hit the prefix cache; 32-token blocks do (measured ~25% faster Sokoban rollouts).
+            # The CPU KV cache is zero-filled at start: ~2.5 s per GiB on our 2-core machines.
             **(
-                {"block_size": 32}
+                {"block_size": 32, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
                 if self.platform.kind == "cpu"
                 else {"gpu_memory_utilization": gpu_memory_utilization}
             ),
