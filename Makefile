@@ -13,7 +13,7 @@ train: setup
 
 test: setup
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile   # two workers, a file at a time: a test waiting on a start-up leaves a core idle
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder   # units and their order: tests/conftest.py
 
 lint: setup
 	$(BIN)/ruff check .

@@ -21,6 +21,43 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # in /tmp/ray, such as a two-node test's running beside it under pytest-xdist. Tests of clusters pass addresses.
 os.environ.setdefault("RAY_ADDRESS", "local")
 
+# The files whose whole runs take a minute or more on 2 cores (`--durations` at 7d4c34e), slowest first: under
+# pytest-xdist they start first, so that no long file starts last and leaves the other worker idle at the end.
+SLOW_FILES_FIRST = [
+    "test_two_node.py",
+    "test_megatron_train.py",
+    "test_pipeline_resume.py",
+    "test_learning_guard.py",
+    "test_pipeline_faults.py",
+    "test_packaging.py",
+    "test_pipeline.py",
+    "test_console.py",
+    "test_cli_init.py",
+    "test_megatron_backend.py",
+    "test_gpu_smoke_cpu.py",
+    "test_cli_errors.py",
+    "test_trainer_ranks.py",
+]
+FLEET_GROUP = "vllm_fleet"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Work units for `pytest -n 2 --dist loadgroup` (make test): one per file, except that every file using the
+    session's `vllm_fleet` is one unit, so that the two-engine fleet starts once in the run instead of once per
+    worker; units start slowest first (SLOW_FILES_FIRST, then the fleet, then the rest in collection order)."""
+    fleet_files = {item.path for item in items if FLEET_GROUP in getattr(item, "fixturenames", ())}
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+
+    def unit(item: pytest.Item) -> str:
+        return FLEET_GROUP if item.path in fleet_files else item.path.name
+
+    def order(item: pytest.Item) -> int:
+        return len(rank) if unit(item) == FLEET_GROUP else rank.get(item.path.name, len(rank) + 1)
+
+    items.sort(key=order)  # stable: the order within a unit stays the collection's
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(unit(item)))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:

@@ -11,10 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from agentrl.config.schema import RewardConfig, RewardFnSpec, RolloutConfig
+from agentrl.config.schema import RewardConfig, RewardFnSpec
 from agentrl.reward import Episode, RewardPool
 from agentrl.reward.judge import DEFAULT_TEMPLATE, JudgeParseError, build_prompt, parse_score
-from tests.conftest import TEST_KV_CACHE_GIB
 
 EPISODE = Episode(
     messages=[{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "<answer>42</answer>"}],
@@ -110,16 +109,10 @@ async def test_remote_judge_rate_limit(stub_url) -> None:
     assert starts[-1] - starts[0] >= 7 * 0.05 * 0.8  # 8 starts at 20/s span >= 0.35 s
 
 
-@pytest.fixture(scope="module")
-def judge_router(ray_session, tiny_model_path):
-    from agentrl.rollout.fleet import start_engines, start_router
-
-    cfg = RolloutConfig(num_engines=1, kv_cache_gib=TEST_KV_CACHE_GIB)
-    engines = start_engines(cfg, tiny_model_path)
-    router = start_router(engines, cfg)
-    yield router
-    for handle in [*engines, router]:
-        ray_session.kill(handle)
+@pytest.fixture
+def judge_router(vllm_fleet):
+    """The session's engine fleet serves as the judge: a judge is any router over engines with a model."""
+    return vllm_fleet[2]
 
 
 async def test_vllm_judge_through_ray_workers(judge_router, tiny_model_path) -> None:
