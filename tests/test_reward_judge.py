@@ -155,4 +155,4 @@ async def test_vllm_judge_timeout_then_recovers(judge_router, tiny_model_path) -
     ok = RewardPool(judge_cfg(model_path=tiny_model_path, on_unparsable=0.0), judge_router=judge_router, local=True)
     again = await asyncio.wait_for(ok.score(EPISODE), 60)
     assert again.score is not None and 0.0 <= again.score <= 1.0
-    assert await judge_router.alive.remote() == [True]
+    assert all(await judge_router.alive.remote())  # the timed-out request killed no engine of the fleet
