@@ -49,7 +49,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
 
     def unit(item: pytest.Item) -> str:
-        return FLEET_GROUP if item.path in fleet_files else item.path.name
+        return FLEET_GROUP if item.path in fleet_files else str(item.path)  # the path: basenames may repeat
 
     def order(item: pytest.Item) -> int:
         return len(rank) if unit(item) == FLEET_GROUP else rank.get(item.path.name, len(rank) + 1)
