@@ -205,7 +205,8 @@ def test_engine_start_runs_the_guard_first(monkeypatch, tiny_model_path):
         raise EngineError(f"guard refused on {kind}")
 
     monkeypatch.setattr(api_guard, "check_vllm", refuse)
-    for key in CPU.vllm_env():  # the engine sets its process's vLLM environment: keep it out of this process
+    # the engine sets its process's vLLM environment (and no Dynamo when eager): keep it out of this process
+    for key in [*CPU.vllm_env(), "TORCHDYNAMO_DISABLE"]:
         monkeypatch.setenv(key, "")
         monkeypatch.delenv(key)
     engine = VLLMEngine(tiny_model_path)
