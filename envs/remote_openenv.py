@@ -80,7 +80,7 @@ class _Session:
     """One WebSocket: one request, one reply, in order (a timed-out socket is desynced and gets dropped)."""
 
     def __init__(self, url: str, token: str | None, s: RemoteEnvSettings) -> None:
-        from websockets.exceptions import InvalidStatus
+        from websockets.exceptions import InvalidMessage, InvalidStatus
         from websockets.sync.client import connect
 
         headers = {"Authorization": f"Bearer {token}"} if token else None
@@ -100,6 +100,10 @@ class _Session:
             except InvalidStatus as err:  # 503: at its session cap or a worker retiring; retry until the deadline
                 if err.response.status_code != 503 or time.monotonic() + 0.1 * attempt > deadline:
                     raise RemoteEnvError(f"cannot open a session at {url}: {err}") from None
+                time.sleep(0.1 * attempt)
+            except InvalidMessage as err:  # the handshake was cut: queued on a worker's socket as it retired
+                if time.monotonic() + 0.1 * attempt > deadline:
+                    raise RemoteEnvError(f"cannot open a session at {url}: InvalidMessage: {err}") from None
                 time.sleep(0.1 * attempt)
             except Exception as err:
                 raise RemoteEnvError(f"cannot open a session at {url}: {type(err).__name__}: {err}") from None

@@ -10,7 +10,9 @@ platform (a wrong gradient, mask, token or reward) trips them, not the noise of 
   greedy success at step 0 is far above zero, and 12 RL steps raise both held-out success and the sampled success of
   the training batches. A 40-step run of the example from this warm start (seed 0): held-out 71% -> 84% at step
   10; sampled success 0.17-0.23 in the first batches, 0.45-0.5 by step 10. With the policy gradient's sign
-  flipped this test saw 71.9% -> 0.8%.
+  flipped this test saw 71.9% -> 0.8%. The sampled success of the first and last four batches (256 episodes each)
+  rose by 0.13-0.19 in four runs alone and by 0.06 in one run inside the loaded suite (the async order changes with
+  the load), so the guard asks for +0.03.
 - The warm start's SFT, in the trainer alone (FSDP2 rank, no Ray): 80 steps on each example's own expert demos
   lower the loss on held-out demos well below where it starts (held-out loss measured first, under no_grad: the
   case where an FSDP2 optimizer once missed its model).
@@ -47,7 +49,7 @@ def test_the_tool_example_learns_from_its_warm_start(tmp_path, spawn):
     print(f"held-out {val[0]:.3f} -> {val[12]:.3f}, sampled success {first:.3f} -> {last:.3f}")
     assert val[0] > 0.5, f"the warm start's held-out success is {val[0]:.1%} (71% when recorded)"
     assert val[12] > val[0] + 0.03, f"held-out success {val[0]:.1%} -> {val[12]:.1%} in 12 RL steps"
-    assert last > first + 0.08, f"sampled success of the training batches {first:.2f} -> {last:.2f} in 12 RL steps"
+    assert last > first + 0.03, f"sampled success of the training batches {first:.2f} -> {last:.2f} in 12 RL steps"
 
 
 # example -> (SFT steps, the most held-out loss per answer token allowed after them). Measured when added, from

@@ -1,6 +1,7 @@
 """Kill the training driver (SIGKILL to its whole process group) at random points, including in the middle of a
-checkpoint save, and resume each time: over the whole run every admitted task group is trained exactly once.
-A SIGTERM stops a run cleanly with a checkpoint and one line."""
+checkpoint save, then stop it with a SIGTERM (a checkpoint and one line), resuming after each: over the whole
+run every admitted task group is trained exactly once. One run covers both: each launch costs a driver, a trainer
+and an engine start."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from agentrl.run_state import latest_checkpoint
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 STEPS = 8
+VALIDATING = ("validation.every_steps=1", "validation.episodes_per_tag=4")
 
 
 def _train(spawn, run_dir: Path, *extra: str, cwd: Path | None = None) -> subprocess.Popen:
@@ -66,11 +68,15 @@ def _ledger(run_dir: Path) -> tuple[list[str], list[str], list[str]]:
 
 
 @pytest.mark.slow
-def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_path, spawn):
+def test_random_kills_and_a_sigterm_lose_nothing_and_train_every_admitted_group_exactly_once(tmp_path, spawn):
+    """SIGKILLs at random points, then a SIGTERM, each followed by a resume; the run still ends with every admitted
+    group trained exactly once. The SIGTERM stop (periodic checkpoints off for that launch, so its checkpoint is
+    the stop's own) exits with one line naming the absolute run dir (the resume before it got a relative one), and
+    the resume after it validates the step it starts from, then each next one."""
     rng = random.Random(22)
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
-    proc = _train(spawn, run_dir)
+    proc = _train(spawn, run_dir, "logging.run_dir=run", cwd=tmp_path)  # relative: the driver makes it absolute
     kills = []
     # Kill points: in the middle of a checkpoint save (its temporary folder exists), a random moment after a
     # checkpoint (the producer has moved on), and a random moment in the middle of a step.
@@ -96,12 +102,28 @@ def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_pa
         _kill(proc)
         kills.append((kind, _trained_steps(run_dir)))
         assert latest_checkpoint(run_dir) is not None, f"no usable checkpoint after a kill {kind}"
-        proc = _train(spawn, run_dir, "--resume", str(run_dir))
+        extra = ("checkpoint.every_steps=0", *VALIDATING) if kind == "mid_step" else ()
+        proc = _train(spawn, run_dir, *extra, "--resume", "run" if extra else str(run_dir), cwd=tmp_path)
+    resumed_from = int(latest_checkpoint(run_dir).name.split("-")[1])
+    out = _sigterm_after_a_step(proc, run_dir)
+    assert "resuming from step" in out and "groups in flight" in out
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith("agentrl: SIGTERM at step ") and f"--resume {run_dir}" in lines[-1], lines[-20:]
+    assert not any("Traceback" in line or "*** SIG" in line for line in lines), lines
+    stopped_at = int(lines[-1].split("at step ")[1].split(":")[0])
+    assert stopped_at > resumed_from and latest_checkpoint(run_dir).name == f"step-{stopped_at:06d}"
+    assert not list(Path("/dev/shm").glob(f"agentrl-weights-*-{proc.pid}")), "weights folder left behind"
+    assert stopped_at < STEPS, f"the SIGTERM came too late to test its resume: step {stopped_at}"
+
+    resumed_at = time.time()
+    proc = _train(spawn, run_dir, *VALIDATING, "--resume", str(run_dir))
     out, _ = proc.communicate(timeout=600)
     text = out.decode()
     assert proc.returncode == 0, text[-3000:]
-    assert "resuming from step" in text and "groups in flight" in text
     assert max(steps for _, steps in kills) < STEPS, f"the kills came too late to test anything: {kills}"
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["time"] > resumed_at]
+    validated = [r["step"] for r in rows if "val/success" in r]
+    assert validated == list(range(stopped_at, STEPS + 1)), "the resume validates the step it starts from, then each"
 
     trained, pending, admitted = _ledger(run_dir)
     assert len(trained) == len(set(trained)), f"a group was trained twice: {sorted(trained)}"
@@ -111,29 +133,12 @@ def test_random_kills_and_resumes_train_every_admitted_group_exactly_once(tmp_pa
     assert rows[-1]["train/version"] == STEPS and rows[-1]["rollout/failed_episodes"] == 0
 
 
-@pytest.mark.slow
-def test_sigterm_saves_a_checkpoint_and_exits_with_one_line(tmp_path, spawn):
-    """Also: a relative run dir is made absolute by the driver (the resume line names the absolute path); the
-    validation beside the step the stop came at (every step validates here) is run again by the resume."""
-    run_dir = tmp_path / "run"
-    validating = ["validation.every_steps=1", "validation.episodes_per_tag=4"]
-    proc = _train(spawn, run_dir, "checkpoint.every_steps=0", "trainer.total_steps=50", "logging.run_dir=run",
-                  *validating, cwd=tmp_path)  # fmt: skip
-    _wait(proc, lambda: _trained_steps(run_dir) >= 1, "trained step")
+def _sigterm_after_a_step(proc: subprocess.Popen, run_dir: Path) -> str:
+    """SIGTERM once this launch has trained a step; the launch's output (it must exit 128 + SIGTERM)."""
+    before, launched = _trained_steps(run_dir), time.time()
+    log = run_dir / "trained_groups.jsonl"
+    _wait(proc, lambda: log.stat().st_mtime > launched and _trained_steps(run_dir) > before, "a trained step")
     os.kill(proc.pid, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
-    lines = [line for line in out.decode().splitlines() if line.strip()]
-    assert proc.returncode == 128 + signal.SIGTERM, lines[-20:]
-    assert lines[-1].startswith("agentrl: SIGTERM at step ") and f"--resume {run_dir}" in lines[-1], lines[-20:]
-    assert not any("Traceback" in line or "*** SIG" in line for line in lines), lines
-    step = int(lines[-1].split("at step ")[1].split(":")[0])
-    assert step >= 1 and latest_checkpoint(run_dir).name == f"step-{step:06d}"
-    assert not list(Path("/dev/shm").glob(f"agentrl-weights-*-{proc.pid}")), "weights folder left behind"
-    resumed_at = time.time()
-    proc = _train(spawn, run_dir, f"trainer.total_steps={step + 1}", *validating, "--resume", str(run_dir))
-    out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out.decode()[-3000:]
-    validated = [
-        r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "val/success" in r and r["time"] > resumed_at
-    ]
-    assert validated == [step, step + 1], "the resume validates the step it starts from, then the next one"
+    assert proc.returncode == 128 + signal.SIGTERM, out.decode()[-3000:]
+    return out.decode()
