@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from agentrl.run_state import latest_checkpoint
+from agentrl.run.state import latest_checkpoint
 
 FORMS = "a run dir, a step dir (checkpoints/step-N or its trainer/) or a Hugging Face model dir"
 

@@ -1,5 +1,5 @@
-"""One `log(step, metrics)` that fans out to the console (agentrl.console), a JSONL file, TensorBoard and optional
-trackers.
+"""A run's metrics: one `log(step, metrics)` that fans out to the run's view (agentrl.console), a JSONL file,
+TensorBoard and optional trackers; `read_jsonl` and `plot_run` read the file back.
 
 Metric names are a contract that tests and benchmarks read: `timing/...`, `throughput/...`, `idle/...`, etc.
 Optional trackers (wandb, mlflow, swanlab) are imported only when configured and write locally by default
@@ -100,7 +100,7 @@ class TrackerBackend:
         try:
             mod = importlib.import_module(_TRACKER_PACKAGES[name])
         except ImportError as err:
-            from agentrl.config.loader import ConfigError
+            from agentrl.config.errors import ConfigError
 
             raise ConfigError(
                 f"logging.trackers lists {name!r} but the {name} package is not installed: "
@@ -176,7 +176,7 @@ class MetricsSink:
     def __init__(
         self,
         run_dir: str | Path,
-        console: bool | MetricsBackend = True,
+        console: MetricsBackend | None = None,
         jsonl: bool = True,
         tensorboard: bool = True,
         trackers: list[str] | tuple[str, ...] = (),
@@ -193,11 +193,7 @@ class MetricsSink:
             self.backends.append(JsonlBackend(self.run_dir / "metrics.jsonl"))
         if tensorboard:
             self.backends.append(TensorBoardBackend(self.run_dir / "tensorboard"))
-        if console is True:
-            from agentrl.console import RunView
-
-            console = RunView()
-        if console:  # the run's view (agentrl.console): live progress on a TTY, plain lines elsewhere
+        if console is not None:  # the run's view (agentrl.console): live progress on a TTY, plain lines elsewhere
             self.backends.append(console)
         try:
             for name in dict.fromkeys(trackers):
@@ -214,15 +210,13 @@ class MetricsSink:
             backend.log(step, numeric)
 
     def close(self, plot: bool = True) -> None:
-        """Closes every backend; with trackers and the JSONL file, the run's plot (agentrl.plotting) goes to each
+        """Closes every backend; with trackers and the JSONL file, the run's plot (plot_run) goes to each
         tracker first."""
         for backend in self.backends:
             backend.close()
         self.backends = []
         png = None
         if plot and self.trackers and self._jsonl:
-            from agentrl.plotting import plot_run
-
             try:
                 png = plot_run(self.run_dir)
             except Exception as err:  # a plot that fails must not keep the trackers' runs open
@@ -235,3 +229,41 @@ class MetricsSink:
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+PANELS = [
+    ("held-out success", ["val/success"]),
+    ("training success", ["episode/success"]),
+    ("episode return", ["episode/return"]),
+    ("tokens/s", ["throughput/tokens_per_s"]),
+    ("idle fraction", ["idle/trainer", "idle/rollout"]),
+    ("staleness", ["staleness/mean", "staleness/max"]),
+]
+
+
+def plot_run(run_dir: str | Path) -> Path:
+    """`agentrl plot RUN_DIR`: PNG curves of a run's metrics.jsonl (success, return, throughput, idle, staleness)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    fig, axes = plt.subplots(2, 3, figsize=(14, 7))
+    for ax, (title, keys) in zip(axes.flat, PANELS, strict=True):
+        for key in keys:
+            points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if points:
+                xs, ys = zip(*points, strict=True)
+                ax.plot(xs, ys, marker="o" if len(points) < 30 else None, label=key)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

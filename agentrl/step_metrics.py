@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from statistics import mean
 
-from agentrl.buffer import staleness
+from agentrl.run.buffer import staleness
 from agentrl.types import Group, Sample
 
 _EPISODE_KEYS = ("return", "success", "turns", "length")

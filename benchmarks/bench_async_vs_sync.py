@@ -26,11 +26,12 @@ from statistics import mean, median, median_low
 
 import ray
 
-from agentrl.buffer import admission_limit
 from agentrl.config import load_config
 from agentrl.envs.long_tail import episode_plan
 from agentrl.metrics import read_jsonl
-from agentrl.pipeline import Pipeline
+from agentrl.run.buffer import admission_limit
+from agentrl.run.loop import Pipeline
+from agentrl.run.parts import start_parts
 
 LONG_TAIL = {"median_turns": 2.0, "turns_sigma": 1.0, "max_steps": 12, "latency_s": 0.05, "latency_tail": 1.2}
 GROUP_SIZE, GROUPS_PER_BATCH = 4, 4
@@ -55,11 +56,13 @@ async def run_mode(mode: str, steps: int, root: Path, max_staleness: int) -> dic
     staleness = [] if mode == "sync" else [f"async.max_staleness={max_staleness}"]
     overrides = [*WORKLOAD, *MODES[mode], *staleness, f"trainer.total_steps={steps}", f"name=bench_{mode}"]
     cfg = load_config(None, overrides)
-    pipeline = Pipeline(cfg, root / mode)
+    parts = start_parts(cfg, root / mode)
+    pipeline = Pipeline(cfg, root / mode, parts)
     try:
         await pipeline.run(resume_from=None)
     finally:
         pipeline.close()
+        parts.close()
     rows = [r for r in read_jsonl(root / mode / "metrics.jsonl") if "train/loss" in r]
     timed = rows[1:]  # the first step includes warm-up
     wall = timed[-1]["time"] - rows[0]["time"]

@@ -39,7 +39,6 @@ from typing import Any
 
 import ray
 
-from agentrl.buffer import Admission, SampleBuffer
 from agentrl.config.schema import Config, SamplingConfig
 from agentrl.envmanager.manager import EnvManager
 from agentrl.envs.base import TextEnv
@@ -48,6 +47,7 @@ from agentrl.platform import worker_env
 from agentrl.rollout.base import Completion, GatedEngine, WeightSource
 from agentrl.rollout.router import Router
 from agentrl.rollout.turn_mailbox import TurnMailbox
+from agentrl.run.buffer import Admission, SampleBuffer
 from agentrl.types import Group
 
 ENV_ID = "bench/CountTurns-v0"
@@ -310,7 +310,7 @@ async def run_cell(episodes: int, managers: int, latency_ms: float, turns: int, 
 
 
 async def main(args: argparse.Namespace) -> list[dict]:
-    from agentrl.startup import init_ray
+    from agentrl.run.startup import init_ray
 
     init_ray(None)
     _register()

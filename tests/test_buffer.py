@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from agentrl.buffer import Admission, RolloutStalled, SampleBuffer
+from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.types import Group, Sample
 
 

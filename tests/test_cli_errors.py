@@ -184,7 +184,7 @@ def test_an_engine_that_cannot_load_ends_the_warm_start_beside_it_in_one_line(tm
 def test_warm_start_skips_and_counts_failing_demo_episodes(tiny_model_path: str, caplog) -> None:
     from transformers import AutoTokenizer
 
-    from agentrl.warmstart import expert_samples
+    from agentrl.run.warm_start import expert_samples
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     cfg = Config.model_validate({"envs": {"train": {"s": {"env_id": "tests/FlakySokoban-v0"}}}})

@@ -19,7 +19,7 @@ from agentrl.config import load_config
 from agentrl.envmanager.manager import _make_each_env
 from agentrl.envs.checker import check_text_env
 from agentrl.envs.env_calls import EnvCallTimeout, acall_with_timeout, call_with_timeout
-from agentrl.warmstart import DEMO_SEED_OFFSET, expert_samples
+from agentrl.run.warm_start import DEMO_SEED_OFFSET, expert_samples
 
 HANG = "tests/Hanging-v0"
 

@@ -63,8 +63,8 @@ def test_the_warm_start_lowers_the_loss_on_held_out_demos(one_rank_group, tiny_m
     from transformers import AutoTokenizer
 
     from agentrl.config import load_config
+    from agentrl.run.warm_start import expert_samples
     from agentrl.trainer.worker import TrainerRank
-    from agentrl.warmstart import expert_samples
 
     steps, most = SFT_GUARDS[name]
     overrides = [IN_PROCESS_CALCULATOR] if name == "math_tools" else []

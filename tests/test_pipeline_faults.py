@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from agentrl.metrics import read_jsonl
-from agentrl.run_state import latest_checkpoint
+from agentrl.run.state import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "tests" / "configs" / "tiny_pipeline.yaml"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.metrics import read_jsonl
-from agentrl.run_state import latest_checkpoint
+from agentrl.run.state import latest_checkpoint
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 STEPS = 8

@@ -18,7 +18,7 @@ from agentrl.config import Config, ConfigError
 from agentrl.placement import Placement, actor_options, bundle, create_placement
 from agentrl.platform import CPU, platform_choice, platform_for, run_platform, worker_env
 from agentrl.rollout.fleet import engine_kwargs, engine_options
-from agentrl.startup import check_cluster_resources
+from agentrl.run.startup import check_cluster_resources
 
 CUDA, NPU = platform_for("cuda", 8), platform_for("npu", 8)
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from agentrl import startup
 from agentrl.config import Config, ConfigError
+from agentrl.run import startup
 
 
 def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> None:
@@ -39,7 +39,7 @@ def test_more_devices_than_the_cluster_has_is_one_line_at_once(ray_session) -> N
 def test_which_addresses_start_a_ray_of_this_machine_alone(monkeypatch, config_address, env_address, local) -> None:
     """The local-device check applies exactly when `ray.init` would start a new local cluster: RAY_ADDRESS counts
     where the config gives no address or "auto" (as in Ray), and "local" is one even with other clusters here."""
-    from agentrl.preflight import _starts_local_ray
+    from agentrl.run.preflight import _starts_local_ray
 
     if env_address is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)

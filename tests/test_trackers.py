@@ -33,7 +33,7 @@ def _run_config() -> dict:
 def _write_run(run_dir: Path, trackers: list[str]) -> dict:
     config = _run_config()
     sink = MetricsSink(
-        run_dir, console=False, tensorboard=False, trackers=trackers, project="agentrl-test", run_name="tracked",
+        run_dir, tensorboard=False, trackers=trackers, project="agentrl-test", run_name="tracked",
         config=config,
     )  # fmt: skip
     for step, metrics in STEPS.items():
@@ -178,7 +178,7 @@ def test_tensorboard_in_trackers_turns_on_the_tensorboard_backend(tmp_path):
         LoggingConfig.model_validate({"tensorboard": False, "trackers": ["tensorboard"]})
     assert "tensorboard" in LoggingConfig.model_fields["trackers"].description
 
-    sink = MetricsSink(tmp_path, console=False, jsonl=False, tensorboard=False, trackers=["tensorboard"])
+    sink = MetricsSink(tmp_path, jsonl=False, tensorboard=False, trackers=["tensorboard"])
     sink.log(1, {"val/success": 0.5})
     sink.close()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -192,7 +192,7 @@ def test_tensorboard_in_trackers_turns_on_the_tensorboard_backend(tmp_path):
 def test_missing_tracker_package_is_a_one_line_config_error(tmp_path, monkeypatch, name):
     monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError, installed or not
     with pytest.raises(ConfigError, match=rf"lists '{name}' .* not installed: pip install 'agentrl\[tracking\]'$"):
-        MetricsSink(tmp_path, console=False, jsonl=True, tensorboard=False, trackers=[name])
+        MetricsSink(tmp_path, jsonl=True, tensorboard=False, trackers=[name])
 
 
 def test_flatten_config_joins_keys_with_dots():

@@ -116,7 +116,7 @@ def test_rl_step_on_a_recorded_batch_equals_the_plain_pass(one_rank_group, tiny_
 def test_sft_step_on_expert_demos_equals_the_plain_pass(one_rank_group, tiny_model_path, name) -> None:
     from transformers import AutoTokenizer
 
-    from agentrl.warmstart import expert_samples
+    from agentrl.run.warm_start import expert_samples
 
     cfg = _config(name)
     demos = expert_samples(cfg, AutoTokenizer.from_pretrained(tiny_model_path), 24)

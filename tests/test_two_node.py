@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from agentrl.metrics import read_jsonl
-from agentrl.run_state import latest_checkpoint
+from agentrl.run.state import latest_checkpoint
 from tests.cluster import TwoNodeCluster, two_node_cluster
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
@@ -184,7 +184,8 @@ import json, os, sys
 import ray
 from agentrl.platform import CPU
 from agentrl.plugins import import_user_modules
-from agentrl.startup import init_ray
+from agentrl.run.startup import init_ray
+from agentrl.run.warm_start import _save_warm_start
 
 import_user_modules(["driver_side_envs"])  # what the CLI does for --import driver_side_envs
 init_ray(sys.argv[1])
@@ -231,17 +232,16 @@ def test_user_modules_and_collective_settings_reach_actors_on_the_other_node(clu
 WARM_CACHE = """
 import json, os, sys
 from pathlib import Path
-from types import SimpleNamespace
 import ray
 from agentrl.config import load_config
-from agentrl.pipeline import Pipeline
-from agentrl.startup import init_ray
+from agentrl.run.startup import init_ray
+from agentrl.run.warm_start import _save_warm_start
 from agentrl.trainer import TrainerGroup
 
 init_ray(sys.argv[1])
 path = Path(sys.argv[3])
 trainer = TrainerGroup(load_config(None, ["trainer.ray_resources={%s: 1}" % sys.argv[2], "name=warm-cache"]))
-Pipeline._cache_warm_start(SimpleNamespace(trainer=trainer), path)  # what the warm start does at its end
+_save_warm_start(trainer, path)  # what the warm start does at its end
 
 @ray.remote(num_cpus=0)
 def look(folder):

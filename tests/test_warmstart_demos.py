@@ -17,9 +17,9 @@ from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.manager import build_toolboxes
 from agentrl.envs import make_env
 from agentrl.envs.sokoban import parse_grid, render, solve
+from agentrl.run.warm_start import DEMO_SEED_OFFSET, expert_samples
 from agentrl.tools.parsers import parse_tool_calls
 from agentrl.types import EpisodeSpec, GenOutput
-from agentrl.warmstart import DEMO_SEED_OFFSET, expert_samples
 
 CALCULATOR = {"calculator": {"calculator": {"python": "agentrl.tools.calculator:calculator"}}}
 

@@ -37,9 +37,9 @@ def _fleet(cfg, model_path: str, ref: str | None = None) -> list:
     actors get instead of the local `model_path` (a hub id, which each resolves on its own node)."""
     from agentrl.envmanager.manager import start_managers
     from agentrl.platform import cluster_platform
-    from agentrl.preflight import check_before_ray
     from agentrl.rollout.fleet import start_engines, start_router
-    from agentrl.startup import check_before_start, init_ray
+    from agentrl.run.preflight import check_before_ray
+    from agentrl.run.startup import check_before_start, init_ray
 
     check_before_ray(cfg, model_path)
     init_ray(cfg.ray_address)
@@ -110,7 +110,7 @@ def _checkpoint_model_dir(path: str) -> Path:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from agentrl.plotting import plot_run
+    from agentrl.metrics import plot_run
 
     print(plot_run(args.run_dir))
     return 0

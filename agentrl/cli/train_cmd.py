@@ -18,11 +18,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 def _train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # config mistakes first, before the slow imports
     from agentrl.memory_plan import check_memory_plan, plan_model_path
-    from agentrl.preflight import check_before_ray
+    from agentrl.run.preflight import check_before_ray
 
     check_before_ray(cfg, plan_model_path(cfg))  # platform vs. this machine, chat template: before Ray starts
     # A plan that cannot fit is refused here, before Ray starts any actor (see `agentrl plan`).
     check_memory_plan(cfg, plan_model_path(cfg))
-    from agentrl.pipeline import train
+    from agentrl.run.driver import train
 
     return train(cfg, resume=args.resume, verbose=getattr(args, "verbose", False))

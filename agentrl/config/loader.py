@@ -19,11 +19,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from agentrl.config.errors import ConfigError
 from agentrl.config.schema import Config
-
-
-class ConfigError(ValueError):
-    """A config mistake, already phrased for the user (key path + what is allowed)."""
 
 
 def _field_by_key(model: type[BaseModel], key: str):

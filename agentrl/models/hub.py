@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from agentrl.config.loader import ConfigError
+from agentrl.config.errors import ConfigError
 
 # org/name, as the hub spells repo ids (letters, digits, `-`, `_`, `.`; no `--` or `..`; at most 96 characters)
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

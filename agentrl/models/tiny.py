@@ -192,7 +192,7 @@ def resolve_model_path(path: str, cache_dir: str = "~/.cache/agentrl/models", re
     if hub.is_hub_id(path):
         return hub.snapshot_path(path, revision)
     if not path.startswith("builtin:"):
-        from agentrl.config.loader import ConfigError
+        from agentrl.config.errors import ConfigError
 
         raise ConfigError(f"model.path {path} is neither a local folder nor a hub id (org/name)")
     name = path.split(":", 1)[1]

@@ -1,4 +1,4 @@
-"""Expert demonstrations from the envs, as training samples, for the SFT warm start of a (tiny) model.
+"""The warm start: SFT on expert demonstrations from the envs (as training samples), and its cache.
 
 Env code runs here in the driver, outside the env managers' isolation, so a demo episode whose env raises or
 hangs (each call is bounded by `envs.step_timeout_s`) is skipped and counted (like a failed RL episode), never the
@@ -13,6 +13,8 @@ import functools
 import hashlib
 import json
 import random
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,3 +191,46 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
 
 def is_cached(path: Path | None) -> bool:
     return path is not None and (path / "model.safetensors").exists() and (path / "config.json").exists()
+
+
+async def warm_start(cfg: Config, parts: Any, view: Any) -> dict[str, float]:
+    """The warm start: SFT on expert demos (the engines load their weights beside it), its weights then saved at
+    `trainer.sft.cache`; a cached one is reused and skips it. Returns the metrics logged at step 0."""
+    from transformers import AutoTokenizer
+
+    if parts.model_path == str(parts.warm_cache):
+        return {"sft/cached": 1.0, "sft/seconds": 0.0, "sft/samples": 0.0}
+    sft = cfg.trainer.sft
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or parts.model_path)
+    with view.phase("warm start: expert demos", sft.episodes, "episodes") as tick:
+        demos = await asyncio.to_thread(expert_samples, cfg, tokenizer, sft.episodes, tick)
+    t0, metrics = time.perf_counter(), {}
+    with view.phase("warm start: SFT", sft.steps, "steps") as tick:
+        for step in range(sft.steps):
+            start = (step * sft.batch_size) % max(1, len(demos) - sft.batch_size)
+            parts.loading.check(wait=False)  # engines load beside the warm start: a failure ends it at once
+            metrics = await asyncio.to_thread(parts.trainer.sft_step, demos[start : start + sft.batch_size])
+            tick()
+    if parts.warm_cache is not None:
+        await asyncio.to_thread(_save_warm_start, parts.trainer, parts.warm_cache)
+    return {
+        **metrics,
+        "sft/seconds": time.perf_counter() - t0,
+        "sft/samples": len(demos),
+        "sft/failed_episodes": float(demos.failed_episodes),
+    }
+
+
+def _save_warm_start(trainer: Any, path: Path) -> None:
+    """Trainer rank 0 writes the warm-started weights into a temporary folder and renames it into place on its own
+    node (a concurrent run with the same key may have saved it first, and a reader never sees half a model). A
+    driver on another node that does not see it says so: later runs reuse it only from a model.cache_dir every
+    node shares."""
+    trainer.save_warm_start(str(path))
+    if not is_cached(path):
+        print(
+            f"agentrl: trainer.sft.cache: the warm start was saved at {path} on trainer rank 0's node, which "
+            "this driver does not see: set model.cache_dir to a folder every node shares to reuse it",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from agentrl.config import Config, ConfigError, check_model_loads
 from agentrl.platform import Platform, cluster_platform, platform_choice, run_platform
-from agentrl.preflight import check_chat_template, platform_fix
+from agentrl.run.preflight import check_chat_template, platform_fix
 
 
 def _fmt(x: float) -> str:
