@@ -41,6 +41,7 @@ SLOW_FILES_FIRST = [
 FLEET_GROUP = "vllm_fleet"
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into its work units
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Work units for `pytest -n 2 --dist loadgroup` (make test): one per file, except that every file using the
     session's `vllm_fleet` is one unit, so that the two-engine fleet starts once in the run instead of once per
@@ -49,7 +50,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
 
     def unit(item: pytest.Item) -> str:
-        return FLEET_GROUP if item.path in fleet_files else str(item.path)  # the path: basenames may repeat
+        return FLEET_GROUP if item.path in fleet_files else item.nodeid.split("::")[0]  # the path: names may repeat
 
     def order(item: pytest.Item) -> int:
         return len(rank) if unit(item) == FLEET_GROUP else rank.get(item.path.name, len(rank) + 1)
