@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= examples/agentic_sokoban.yaml
 
-.PHONY: setup train test lint bench
+.PHONY: setup train test test-fast lint bench
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -14,6 +14,9 @@ train: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder   # units and their order: tests/conftest.py
+
+test-fast: setup  # the inner loop (a minute or two): no slow or heavy test; not a replacement for `make test`
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder -m "not slow and not heavy"
 
 lint: setup
 	$(BIN)/ruff check .

@@ -39,6 +39,10 @@ SLOW_FILES_FIRST = [
     "test_trainer_ranks.py",
 ]
 FLEET_GROUP = "vllm_fleet"
+# Tests using these start Ray, vLLM engines, trainer ranks, clusters or `agentrl` runs: seconds each. They (and tests
+# marked `heavy` by hand) are left out of `make test-fast`, the inner loop's tier.
+HEAVY_FIXTURES = {"ray_session", "vllm_fleet", "vllm_server", "spawn", "one_rank_group", "one_rank_run", "cluster",
+                  "cluster_run"}  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into its work units
@@ -58,6 +62,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=order)  # stable: the order within a unit stays the collection's
     for item in items:
         item.add_marker(pytest.mark.xdist_group(unit(item)))
+        if HEAVY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.heavy)
 
 
 @pytest.fixture(scope="session")

@@ -134,6 +134,7 @@ for override in ["+envs.val.late={env_id: user/Late-v0}", "+envs.train.sokoban.k
 """
 
 
+@pytest.mark.heavy
 def test_user_env_module_reaches_the_actors_and_env_faults_are_one_line(tmp_path: Path) -> None:
     """One real local Ray (in a subprocess: its own job runtime env and working directory)."""
     (tmp_path / "user_envs.py").write_text(USER_ENVS)
@@ -170,6 +171,7 @@ class FlakySokoban(SokobanEnv):
 register_env("tests/FlakySokoban-v0", FlakySokoban)
 
 
+@pytest.mark.heavy
 def test_an_engine_that_cannot_load_ends_the_warm_start_beside_it_in_one_line(tmp_path: Path) -> None:
     """Engines load while the warm start runs: a failure ends the run at once (2,000 SFT steps take minutes)."""
     run = tmp_path / "run"

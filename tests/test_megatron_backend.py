@@ -140,6 +140,7 @@ def test_activation_recompute_configured(run):
     assert run["recompute"] == ("full" if "--recompute" in LAUNCHES[run["launch"]][2] else None)
 
 
+@pytest.mark.heavy
 def test_shim_installs_only_with_megatron():
     code = (
         "import torch; before = torch.cuda.current_device.__module__;"

@@ -80,6 +80,7 @@ def test_megatron_tp2_trains_syncs_resumes_and_exports(tmp_path, tiny_model_path
     assert len(moved) > len(base) // 2, f"training moved only {moved}"
 
 
+@pytest.mark.heavy
 def test_megatron_on_cpu_without_the_test_shim_is_refused_in_one_line(tmp_path):
     res = agentrl("train", str(EXAMPLE), f"logging.run_dir={tmp_path / 'run'}",
                   env={"AGENTRL_MEGATRON_CPU_SHIM": None, "AGENTRL_PLATFORM": "cpu"})  # fmt: skip

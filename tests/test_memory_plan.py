@@ -239,6 +239,7 @@ def _random_qwen3(out: Path, tokenizer_dir: str) -> str:
     ("model", "rows", "length", "ckpt"),
     [("tiny", 8, 512, "full"), ("qwen3_31m", 4, 256, "full"), ("qwen3_31m", 4, 256, "ckpt")],
 )
+@pytest.mark.heavy
 def test_estimate_within_2x_of_measured_peak(model, rows, length, ckpt, tiny_model_path, tmp_path) -> None:
     """Peak RSS increase of one RL step (model load included) in a fresh process vs the plan without its runtime
     allowance (the baseline already holds Python + torch). Measured here (sampled RSS): tiny 252-264 MiB vs

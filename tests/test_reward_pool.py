@@ -126,6 +126,7 @@ def test_config_rejects_duplicate_names_and_unknown_rewards() -> None:
         RewardPool(cfg({"name": "nope"}), local=True)
 
 
+@pytest.mark.heavy
 async def test_process_isolation_kills_a_hung_verifier(tmp_path) -> None:
     pid_file = str(tmp_path / "pids")
     name = f"{HERE}:pid_then_sleep"

@@ -83,6 +83,7 @@ def test_builtin_path_builds_once_into_cache(tmp_path):
         resolve_model_path("builtin:huge", cache_dir=str(tmp_path))
 
 
+@pytest.mark.heavy
 def test_make_model_cli(tmp_path):
     out = tmp_path / "m"
     res = subprocess.run(

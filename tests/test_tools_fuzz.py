@@ -47,6 +47,7 @@ async def echo(text: str, times: Annotated[int, Field(ge=1, le=3)] = 1, upper: b
     return (text.upper() if upper else text) * times
 
 
+@pytest.mark.heavy
 def test_fuzz_openapi_no_server_errors():
     app = create_app([calculator, search, sokoban_hint, note, echo], token=TOKEN, limits=ServerLimits(max_sessions=100))
     search.fn(query="warm up the index")  # build the BM25 index outside the timed requests

@@ -54,6 +54,25 @@ def test_discounted_returns_and_gae() -> None:
     assert adv.tolist() == pytest.approx([0.0, 0.5])
 
 
+def test_gae_with_gamma_and_lambda_below_one_against_a_hand_computed_case() -> None:
+    """gamma 0.9, lambda 0.8 (1 hid a dropped gamma: `last = delta + lam * last` passed the cases above).
+    deltas: 1 - 0.3 = 0.7; 0.9 * 0.3 - 0.4 = -0.13; 0.9 * 0.4 - 0.5 = -0.14.
+    A2 = 0.7; A1 = -0.13 + 0.72 * 0.7 = 0.374; A0 = -0.14 + 0.72 * 0.374 = 0.12928."""
+    adv, ret = A.gae(torch.tensor([0.0, 0.0, 1.0]), torch.tensor([0.5, 0.4, 0.3]), gamma=0.9, lam=0.8)
+    assert adv.tolist() == pytest.approx([0.12928, 0.374, 0.7])
+    assert ret.tolist() == pytest.approx([0.62928, 0.774, 1.0])
+
+
+def test_the_value_clip_keeps_the_larger_error() -> None:
+    """0.5 * max((v - R)^2, (v_clip - R)^2), v_clip = v_old + clamp(v - v_old, +-0.2): the clip can only add loss."""
+    one, unit = torch.ones(1), 1.0
+    # The clipped value is further from the return: (1.2 - 1.9)^2 = 0.49 counts, not the 0 of the new value.
+    assert L.value_loss(1.9 * one, 1.0 * one, 1.9 * one, one, unit).item() == pytest.approx(0.245)
+    # The new value is further: (1 - 0)^2 = 1 counts, not (0.2 - 0)^2.
+    assert L.value_loss(1.0 * one, 0.0 * one, 0.0 * one, one, unit).item() == pytest.approx(0.5)
+    assert L.value_loss(1.9 * one, 1.0 * one, 1.9 * one, one, unit, clip=None).item() == 0.0
+
+
 def test_gae_runs_over_model_tokens_only() -> None:
     s = _sample(1.0, "g", "e", [0, 1, 0, 0, 1])
     adv, ret = A.gae_advantages([s], [[9.0, 0.5, 9.0, 9.0, 0.5]], gamma=1.0, lam=1.0)

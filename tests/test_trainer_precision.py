@@ -273,6 +273,7 @@ def _measuring_env() -> dict[str, str]:
     return {**{k: os.environ[k] for k in keep if k in os.environ}, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.heavy
 def test_activation_checkpointing_lowers_peak_memory(tmp_path) -> None:
     """Peak RSS of one train step with checkpointing on is measurably (>= 150 MiB) below the same step without
     it, each setting in a fresh process; the loss is the same."""
@@ -308,6 +309,7 @@ def _logprob_memory(chunked: bool) -> dict:
     return {"peak_mib": (_peak_rss_kib() - base) / 1024}
 
 
+@pytest.mark.heavy
 def test_chunked_logprobs_lower_peak_memory() -> None:
     """The [tokens, vocab] fp32 log-softmax (256 MiB here) is never whole: >= 150 MiB below the whole pass."""
     res = {}
@@ -350,6 +352,7 @@ def _two_rank_build(model_dir: str) -> dict:
     return out
 
 
+@pytest.mark.heavy
 def test_two_ranks_receive_their_shards_from_rank0(tiny_model_path) -> None:
     """Only rank 0 reads the checkpoint; the shards both ranks end up with form the checkpoint exactly."""
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2"}
