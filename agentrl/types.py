@@ -10,7 +10,7 @@ later layer reads. A policy version counts trained batches everywhere (the warm-
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from agentrl.config.schema import SamplingConfig
 
@@ -99,7 +99,6 @@ class Episode:
     group_id: str = ""
     env_id: str = ""
     task: dict[str, Any] = field(default_factory=dict)
-    env_info: dict[str, Any] = field(default_factory=dict)  # what env.reset returned besides the observation
     messages: list[dict[str, Any]] = field(default_factory=list)
     final_answer: str | None = None
     turns: list[Turn] = field(default_factory=list)
@@ -180,6 +179,16 @@ class Sample:
         return {v for v, m in zip(self.versions, self.loss_mask, strict=True) if m}
 
 
+class EpisodeFailure(NamedTuple):
+    """An episode that was dropped (its env or a tool crashed or timed out, or its env manager died)."""
+
+    episode: str
+    error: str
+
+    def __str__(self) -> str:
+        return f"{self.episode}: {self.error}"
+
+
 @dataclass
 class Group:
     """The unit of rollout work and of training: the episodes of one task seed, as samples.
@@ -194,6 +203,6 @@ class Group:
     split: str = "train"
     samples: list[Sample] = field(default_factory=list)
     episode_metrics: list[dict[str, float]] = field(default_factory=list)
-    failures: list[str] = field(default_factory=list)
+    failures: list[EpisodeFailure] = field(default_factory=list)
     missing_rewards: list[str] = field(default_factory=list)
     admitted_version: int = 0  # the policy version when the buffer admitted the group

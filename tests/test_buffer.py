@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
-from agentrl.types import Group, Sample
+from agentrl.types import EpisodeFailure, Group, Sample
 
 
 def _group(seed: int, size: int = 2) -> Group:
@@ -178,12 +178,13 @@ async def test_every_episode_failing_in_consecutive_groups_stops_with_the_first_
     waiting = asyncio.ensure_future(buf.get_batch())
     for i in range(3):
         await run.admit(1)
-        half = Group(tag="t", seed=i, failures=["e0: env crashed"])  # one of two episodes failed: no stop
-        full = Group(tag="t", seed=i, failures=[f"e{i}/0: boom {i}", f"e{i}/1: boom {i}"])
+        # one of two episodes failed: no stop
+        half = Group(tag="t", seed=i, failures=[EpisodeFailure("e0", "env crashed")])
+        full = Group(tag="t", seed=i, failures=[EpisodeFailure(f"e{i}/{k}", f"boom {i}") for k in range(2)])
         await run.put(i, half if i == 0 else full)
     assert not waiting.done() and buf.stats.episodes_failed == 5
     await run.admit(1)
-    await run.put(3, Group(tag="t", seed=3, failures=["e3/0: boom 3", "e3/1: boom 3"]))
+    await run.put(3, Group(tag="t", seed=3, failures=[EpisodeFailure(f"e3/{k}", "boom 3") for k in range(2)]))
     with pytest.raises(RolloutStalled, match="every episode of the last 3 groups failed; the first: e1/0: boom 1"):
         await asyncio.wait_for(waiting, 1)
 
@@ -194,7 +195,7 @@ async def test_failures_landing_after_the_stop_keep_its_message() -> None:
     run = Producer(buf)
     for i in range(3):
         await run.admit(1)
-        await run.put(i, Group(tag="t", seed=i, failures=[f"e{i}/0: boom", f"e{i}/1: boom"]))
+        await run.put(i, Group(tag="t", seed=i, failures=[EpisodeFailure(f"e{i}/{k}", "boom") for k in range(2)]))
     with pytest.raises(RolloutStalled, match="every episode of the last 2 groups failed; the first: e0/0: boom"):
         await asyncio.wait_for(buf.get_batch(), 1)
 

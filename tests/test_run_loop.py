@@ -21,7 +21,7 @@ from agentrl.run.buffer import RolloutStalled
 from agentrl.run.loop import Pipeline
 from agentrl.run.parts import RunParts
 from agentrl.run.state import latest_checkpoint
-from agentrl.types import Group, Sample
+from agentrl.types import EpisodeFailure, Group, Sample
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"
 STEPS = 6
@@ -112,7 +112,7 @@ class StandInManager:
             episode = f"{tag}/{seed}/{split}/{i}"
             if self.fail:
                 await asyncio.sleep(0.001)
-                group.failures.append(f"{episode}: ValueError: the env broke")
+                group.failures.append(EpisodeFailure(episode, "ValueError: the env broke"))
                 continue
             slow = 0.03 if split == "val" else self.rng.uniform(0.001, 0.01)  # validation outlasts a train step
             versions = await self.engines.generate(slow) + await self.engines.generate(slow)

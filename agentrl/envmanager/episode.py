@@ -114,7 +114,6 @@ class EpisodeRunner:
         env = await self._off_loop(self.make_env, spec.env_id, spec.env_kwargs)
         obs, info = await self._off_loop(lambda: env.reset(seed=spec.seed))
         ep.timings["env"] += time.perf_counter() - t0
-        ep.env_info = dict(info)
         ep.task = dict(info.get("task") or {})
         ep.messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
         ep.append(chat.prompt_ids(ep.messages), model=False)

@@ -18,7 +18,7 @@ from agentrl.config.schema import Config, EnvConfig, SamplingConfig
 from agentrl.envmanager.episode import EpisodeRunner
 from agentrl.envmanager.samples import episode_metrics, to_samples
 from agentrl.rollout.engine_client import EngineClient
-from agentrl.types import Episode, EpisodeSpec, GenOutput, Group
+from agentrl.types import Episode, EpisodeFailure, EpisodeSpec, GenOutput, Group
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ class EnvManager:
         for ep in episodes:
             self.engines.release(ep.episode_id)
             if ep.failed:
-                group.failures.append(f"{ep.episode_id}: {ep.error}")
+                group.failures.append(EpisodeFailure(ep.episode_id, ep.error or ""))
                 self.log_failure(f"episode {ep.episode_id} ({ep.env_id})", ep.error or "")
                 continue
             scored = await self._score(ep, group)

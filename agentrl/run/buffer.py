@@ -167,7 +167,7 @@ class SampleBuffer:
             self._failed_in_a_row = 0
             return
         if self._failed_in_a_row == 0:
-            self._first_failure = group.failures[0]
+            self._first_failure = str(group.failures[0])
         self._failed_in_a_row += 1
         # The first reason to stop is kept: failures landing before the trainer sees it must not reword it.
         if self.stop_after_failed_groups and self._failed_in_a_row >= self.stop_after_failed_groups:

@@ -38,7 +38,7 @@ from agentrl.run.state import RunState, Snapshot, TaskSchedule, TrainedLog, load
 from agentrl.run.validation import Validation
 from agentrl.run.warm_start import warm_start
 from agentrl.step_metrics import batch_metrics
-from agentrl.types import Group
+from agentrl.types import EpisodeFailure, Group
 
 
 class StepClock:
@@ -191,10 +191,10 @@ class Pipeline:
         try:
             result = await manager.run_group.remote(tag, seed)
         except Exception as err:  # a dead manager: every episode of the group failed; count them, keep going
-            result = Group(tag=tag, seed=seed, failures=[f"group {tag}/{seed}: {err}"] * admission.episodes)
+            result = Group(tag=tag, seed=seed, failures=[EpisodeFailure(f"group {tag}/{seed}", str(err))])
+            result.failures *= admission.episodes
         for failure in result.failures:
-            episode, _, error = failure.partition(": ")
-            self.log_failure(episode, error)
+            self.log_failure(failure.episode, failure.error)
         await self.buffer.put(admission, result)
         self.tasks = {t for t in self.tasks if not t.done()}
 
