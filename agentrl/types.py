@@ -47,6 +47,7 @@ class EpisodeSpec:
     """What to run: one episode of env `env_id` on task `seed`, the `index`-th try of its group.
 
     `max_turns` bounds model turns (tool-call turns included); None leaves the limit to the env's `max_steps`.
+    With `agent` set, an agent program plays the env through the gateway (`agentrl.gateway.agents`).
     """
 
     env_id: str
@@ -58,6 +59,7 @@ class EpisodeSpec:
     max_turns: int | None = None
     tool_sets: list[str] = field(default_factory=list)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    agent: str | None = None
 
     @property
     def group_id(self) -> str:
@@ -86,11 +88,39 @@ class Turn:
 
 
 @dataclass
-class Episode:
-    """A multi-turn episode as it ran: the token-exact trajectory for training, the chat for reward functions.
+class Segment:
+    """A token sequence as it was rolled out: per-token lists aligned with `token_ids`. `loss_mask` is 1 on tokens
+    the policy generated (their behaviour `logprobs` and policy `versions` are set there; 0.0 / -1 elsewhere)."""
 
-    Per-token lists are aligned: `loss_mask` is 1 on tokens the policy generated (their behaviour `logprobs` and
-    policy `versions` are set there; 0.0 / -1 elsewhere). `task` holds task metadata from the env (such as
+    token_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    def append(
+        self, ids: list[int], model: bool, logprobs: list[float] | None = None, versions: list[int] | None = None
+    ) -> None:
+        self.token_ids += ids
+        self.loss_mask += [1 if model else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.versions += versions if versions is not None else [-1] * len(ids)
+
+    def prefix(self, n: int) -> Segment:
+        """A new segment holding the first `n` tokens of this one."""
+        return Segment(self.token_ids[:n], self.loss_mask[:n], self.logprobs[:n], self.versions[:n])
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+@dataclass
+class Episode(Segment):
+    """A multi-turn episode as it ran: the token-exact trajectory for training (the episode is its own main
+    segment), the chat for reward functions.
+
+    `branches` are further segments of a gateway agent's episode (a history it rewrote, a turn it retried), each a
+    trajectory-wise sample of its own. `task` holds task metadata from the env (such as
     `ground_truth`); `final_answer` is the last model turn's text. `error` is set when the env or a tool crashed
     or timed out: such an episode is counted, never trained on.
     """
@@ -102,10 +132,7 @@ class Episode:
     messages: list[dict[str, Any]] = field(default_factory=list)
     final_answer: str | None = None
     turns: list[Turn] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    loss_mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    branches: list[Segment] = field(default_factory=list)
     env_return: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)  # the env's info["metrics"] after its last step
     truncation: Truncation | None = None  # None: the env terminated the episode
@@ -126,20 +153,8 @@ class Episode:
         return self.error is not None
 
     @property
-    def num_model_tokens(self) -> int:
-        return sum(self.loss_mask)
-
-    @property
     def ground_truth(self) -> Any:
         return self.task.get("ground_truth", self.task.get("answer"))
-
-    def append(
-        self, ids: list[int], model: bool, logprobs: list[float] | None = None, versions: list[int] | None = None
-    ) -> None:
-        self.token_ids += ids
-        self.loss_mask += [1 if model else 0] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.versions += versions if versions is not None else [-1] * len(ids)
 
 
 @dataclass

@@ -20,7 +20,14 @@ Built-ins (use as `python: <module>:<name>` in config): `agentrl.tools.calculato
 
 from agentrl.tools.client import ToolClient, ToolServerError
 from agentrl.tools.core import Session, Tool, ToolResult, tool
-from agentrl.tools.parsers import ParseError, ToolCall, get_parser, parse_tool_calls, register_parser
+from agentrl.tools.parsers import (
+    ParseError,
+    ToolCall,
+    get_parser,
+    parse_tool_calls,
+    register_parser,
+    text_without_calls,
+)
 from agentrl.tools.toolbox import Toolbox, build_toolbox, load_python_tool
 
 __all__ = [
@@ -37,5 +44,6 @@ __all__ = [
     "load_python_tool",
     "parse_tool_calls",
     "register_parser",
+    "text_without_calls",
     "tool",
 ]

@@ -31,15 +31,19 @@ class ParseError:
 
 Parser = Callable[[str], list[ToolCall | ParseError]]
 _PARSERS: dict[str, Parser] = {}
+_CALL_TEXT: dict[str, re.Pattern] = {}  # parser -> the pattern of its calls' text (to show the rest as content)
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
 
 
-def register_parser(name: str) -> Callable[[Parser], Parser]:
-    """Decorator: make a parser available to `ToolsConfig.parser` by name."""
+def register_parser(name: str, call_text: re.Pattern | None = None) -> Callable[[Parser], Parser]:
+    """Decorator: make a parser available to `ToolsConfig.parser` by name. `call_text` matches the text of one
+    call, so that what the model said around its calls can be shown apart (the agent gateway's `content`)."""
 
     def wrap(fn: Parser) -> Parser:
         _PARSERS[name] = fn
+        if call_text is not None:
+            _CALL_TEXT[name] = call_text
         return fn
 
     return wrap
@@ -57,7 +61,7 @@ def _short(raw: str, n: int = 80) -> str:
     return raw if len(raw) <= n else raw[:n] + "..."
 
 
-@register_parser("hermes")
+@register_parser("hermes", call_text=_HERMES)
 def parse_hermes(text: str) -> list[ToolCall | ParseError]:
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks, in order (Hermes / Qwen format).
 
@@ -94,3 +98,10 @@ def parse_hermes(text: str) -> list[ToolCall | ParseError]:
 def parse_tool_calls(text: str, parser: str = "hermes") -> list[ToolCall | ParseError]:
     """Parse with the named parser (hermes by default)."""
     return get_parser(parser)(text)
+
+
+def text_without_calls(text: str, parser: str = "hermes") -> str:
+    """The model's text with its tool calls cut out (unchanged for a parser that registered no `call_text`)."""
+    get_parser(parser)
+    pattern = _CALL_TEXT.get(parser)
+    return pattern.sub("", text).strip() if pattern is not None else text

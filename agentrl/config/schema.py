@@ -32,6 +32,11 @@ class EnvConfig(Section):
     )
     seed_start: int = Field(0, description="first task seed; validation uses disjoint seeds")
     tools: list[str] = Field(default_factory=list, description="tool sets this env may call")
+    agent: str | None = Field(
+        None,
+        description="an agent program (module:function or a registered name) that plays this env through the "
+        "OpenAI-compatible gateway instead of the env manager's own loop",
+    )
 
 
 class TrainEnvConfig(EnvConfig):
@@ -385,6 +390,15 @@ class AsyncConfig(Section):
     drop_zero_variance_groups: bool = Field(False, description="DAPO-style filter: drop groups with equal returns")
 
 
+class GatewayConfig(Section):
+    """The OpenAI-compatible endpoint each env manager serves to agent programs (`envs.<split>.<tag>.agent`)."""
+
+    host: str = Field("127.0.0.1", description="bind address; every route but /health needs an episode's key")
+    model_name: str = Field("agentrl", description="the model id agents must ask for (task.model holds it)")
+    agent_timeout_s: PositiveFloat = Field(300.0, description="wall time of one agent episode")
+    max_body_bytes: PositiveInt = Field(4 << 20, description="largest request body")
+
+
 class ValidationConfig(Section):
     every_steps: int = Field(10, ge=0, description="0 disables validation")
     episodes_per_tag: PositiveInt = 64
@@ -444,6 +458,7 @@ class Config(Section):
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    gateway: GatewayConfig = Field(default_factory=GatewayConfig)
     # keys whose unset value follows the model (`load_config` keeps them unset under overrides of model.path)
     MODEL_DEFAULTS: ClassVar[tuple[str, ...]] = ("trainer.optim.lr", "trainer.sft.lr")
 

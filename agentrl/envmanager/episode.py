@@ -67,7 +67,7 @@ class EpisodeRunner:
             self._chats[tool_sets] = ChatTokens(self.tokenizer, box.schemas() if box else None)
         return self._chats[tool_sets]
 
-    async def _off_loop(self, fn: Callable, *args: Any) -> Any:
+    async def off_loop(self, fn: Callable, *args: Any) -> Any:
         """`fn(*args)` on an env thread, `envs.env_threads` at a time; a call past `envs.step_timeout_s` frees its
         slot at once."""
         async with self._env_slots:
@@ -111,8 +111,8 @@ class EpisodeRunner:
         sets = tuple(spec.tool_sets)
         chat = self._chat(sets)
         t0 = time.perf_counter()
-        env = await self._off_loop(self.make_env, spec.env_id, spec.env_kwargs)
-        obs, info = await self._off_loop(lambda: env.reset(seed=spec.seed))
+        env = await self.off_loop(self.make_env, spec.env_id, spec.env_kwargs)
+        obs, info = await self.off_loop(lambda: env.reset(seed=spec.seed))
         ep.timings["env"] += time.perf_counter() - t0
         ep.task = dict(info.get("task") or {})
         ep.messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
@@ -168,11 +168,11 @@ class EpisodeRunner:
         if calls:
             pending = await self._run_tools(run, calls, turn)
             if hasattr(run.env, "observe_tool_results"):  # envs that track what the tools returned
-                await self._off_loop(run.env.observe_tool_results, [m["content"] for m in pending])
+                await self.off_loop(run.env.observe_tool_results, [m["content"] for m in pending])
             return pending
         t0 = time.perf_counter()
         inline = getattr(run.env, "inline_step", False)  # see TextEnv.inline_step
-        result = run.env.step(text) if inline else await self._off_loop(run.env.step, text)
+        result = run.env.step(text) if inline else await self.off_loop(run.env.step, text)
         obs, reward, terminated, truncated, info = result
         ep.timings["env"] += time.perf_counter() - t0
         turn.reward = float(reward)

@@ -39,6 +39,7 @@ def episode_spec(cfg: Config, split: str, tag: str, seed: int, index: int = 0) -
         max_turns=env.max_turns,
         tool_sets=list(env.tools),
         sampling=cfg.rollout.sampling_for(split),
+        agent=env.agent,
     )
 
 
@@ -106,15 +107,42 @@ class EnvManager:
             tool_parser=functools.partial(parse_tool_calls, parser=cfg.tools.parser),
         )
 
+        self._agents: Any = None  # AgentEpisodes, with the gateway started on first use
+
     async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         return await self.engines.generate(episode_id, ids, sampling, rid)
+
+    async def _run(self, spec: EpisodeSpec) -> Episode:
+        """One episode: the env manager's own loop, or the spec's agent program through the gateway."""
+        if spec.agent is None:
+            return await self.runner.run(spec)
+        if self._agents is None:
+            self._agents = await self._start_gateway()
+        return await self._agents.run(spec, spec.agent)
+
+    async def _start_gateway(self) -> Any:
+        from agentrl.gateway.agents import AgentEpisodes
+        from agentrl.gateway.server import Gateway
+
+        g = self.cfg.gateway
+        gateway = Gateway(
+            self.runner.tokenizer,
+            self._generate,
+            model_name=g.model_name,
+            parser=self.cfg.tools.parser,
+            max_total_tokens=self.cfg.envs.max_total_tokens,
+            max_body_bytes=g.max_body_bytes,
+        )
+        await gateway.start(g.host)  # a free port: one gateway per env manager
+        logger.info("env manager %d: agent gateway at %s/v1", self.index, gateway.url)
+        return AgentEpisodes(self.runner, gateway, g.agent_timeout_s)
 
     async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> Group:
         """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples."""
         train = self.cfg.envs.train
         n = group_size or (train[tag].group_size if split == "train" and tag in train else 1)
         specs = [episode_spec(self.cfg, split, tag, seed, i) for i in range(n)]
-        episodes = await asyncio.gather(*(self.runner.run(spec) for spec in specs))
+        episodes = await asyncio.gather(*(self._run(spec) for spec in specs))
         group = Group(tag=tag, seed=seed, split=split)
         for ep in episodes:
             self.engines.release(ep.episode_id)
@@ -146,7 +174,7 @@ class EnvManager:
 
     async def run_episode(self, spec: EpisodeSpec) -> dict[str, Any]:
         """One episode as a plain dict (for `agentrl rollout` and debugging)."""
-        ep = await self.runner.run(spec)
+        ep = await self._run(spec)
         self.engines.release(spec.episode_id)
         data = asdict(ep)
         data["text"] = self.runner.tokenizer.decode(ep.token_ids)

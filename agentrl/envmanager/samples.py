@@ -26,8 +26,11 @@ def to_samples(ep: Episode, episode_return: float, mode: str) -> list[Sample]:
         episode_id=ep.episode_id,
         step_rewards=[t.reward for t in ep.turns],
     )
-    if mode == "trajectory":
-        return [Sample(list(ep.token_ids), list(ep.loss_mask), list(ep.logprobs), list(ep.versions), **common)]
+    if mode == "trajectory":  # the episode, then the segments a gateway agent branched off (each its own sample)
+        return [
+            Sample(list(seq.token_ids), list(seq.loss_mask), list(seq.logprobs), list(seq.versions), **common)
+            for seq in (ep, *ep.branches)
+        ]
     samples = []
     for i, turn in enumerate(ep.turns):
         n_prompt = len(turn.prompt_ids)

@@ -1,0 +1,7 @@
+"""The agent gateway: train agent programs written against the OpenAI API, token-exact, in the same pipeline.
+
+- `server.Gateway`: the OpenAI-compatible chat-completions endpoint each env manager serves, one key per episode.
+- `transcript.Transcript`: an episode's token-exact record (reused tokens, branches when the agent rewrites).
+- `agents`: `async def agent(client, task)` programs run as episodes (`envs.<split>.<tag>.agent`).
+- `openai_api`: the wire format (request model, reply and error bodies).
+"""

@@ -1,0 +1,335 @@
+"""The gateway: an OpenAI-compatible chat-completions API in front of the rollout engines, one key per episode.
+
+It runs inside an env manager, on the manager's event loop (uvicorn serving a socket bound here), so a call reaches
+the episode's engine the way a native turn does (`EngineClient`, sticky per episode) and partial rollout holds: a
+call preempted by a weight update is continued on the new weights (`generate_resumable`) and the agent gets one
+completion whose tokens keep their versions.
+
+Each episode opens a session and gets a random key (32 bytes): the key is the credential, so calls are attributed
+to their episode, one agent cannot reach another's transcript, and a finished or unknown episode's key is a 401.
+The server binds loopback by default; bound elsewhere, the keys still guard every route but /health.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentrl.config.schema import SamplingConfig
+from agentrl.envmanager.chat import ChatTokens
+from agentrl.gateway import openai_api as api
+from agentrl.gateway.transcript import Transcript, template_message
+from agentrl.rollout.base import RetryableEngineError
+from agentrl.rollout.partial import generate_resumable
+from agentrl.types import GenOutput
+
+logger = logging.getLogger(__name__)
+GenerateFn = Callable[[str, list[int], SamplingConfig, str], Awaitable[GenOutput]]
+
+
+class GatewayError(Exception):
+    """An OpenAI-style error answer: status, message, and the error's type / param / code."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None):
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+        self.kind = {401: "authentication_error", 404: "not_found_error", 413: "invalid_request_error"}.get(
+            status, "invalid_request_error" if status < 500 else "server_error"
+        )
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(api.error_body(str(self), self.kind, self.param, self.code), status_code=self.status)
+
+
+@dataclass
+class Session:
+    """One episode's access to the gateway."""
+
+    key: str
+    episode_id: str
+    sampling: SamplingConfig
+    max_calls: int
+    transcript: Transcript
+    calls: int = 0
+    limit: str | None = None  # "max_turns" / "max_total_tokens" once the agent ran into one
+    llm_s: float = 0.0  # time its calls spent generating
+    running: set[asyncio.Task] = field(default_factory=set)
+
+
+@dataclass
+class Reply:
+    message: dict[str, Any]
+    finish: str
+    usage: dict[str, int]
+    logprobs: dict[str, Any] | None
+
+
+class Gateway:
+    """Sessions, the chat-completions turn, and the HTTP server around them."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        generate: GenerateFn,
+        *,
+        model_name: str = "agentrl",
+        parser: str = "hermes",
+        max_total_tokens: int = 4096,
+        max_body_bytes: int = 4 << 20,
+    ):
+        self.tokenizer = tokenizer
+        self.generate = generate
+        self.model_name = model_name
+        self.parser = parser
+        self.max_total_tokens = max_total_tokens
+        self.max_body_bytes = max_body_bytes
+        self.sessions: dict[str, Session] = {}
+        self._chats: dict[str, ChatTokens] = {}
+        self._server: Any = None
+        self._serving: asyncio.Task | None = None
+        self.url = ""
+
+    # sessions
+
+    def open(self, episode_id: str, sampling: SamplingConfig, max_calls: int) -> Session:
+        session = Session(secrets.token_urlsafe(32), episode_id, sampling, max_calls, Transcript(self.chat_for))
+        self.sessions[session.key] = session
+        return session
+
+    def close(self, session: Session) -> None:
+        """Forget the key (later calls get 401) and stop the session's calls still running."""
+        self.sessions.pop(session.key, None)
+        for task in list(session.running):
+            task.cancel()
+
+    def chat_for(self, tools: list[dict] | None) -> ChatTokens:
+        key = json.dumps(tools or [], sort_keys=True)
+        if key not in self._chats:
+            self._chats[key] = ChatTokens(self.tokenizer, tools)
+        return self._chats[key]
+
+    def session_for(self, authorization: str | None) -> Session:
+        scheme, _, key = (authorization or "").partition(" ")
+        session = self.sessions.get(key.strip()) if scheme.lower() == "bearer" else None
+        if session is None:
+            raise GatewayError(
+                401, "unknown or finished episode key (each episode gets its own key)", "invalid_api_key"
+            )
+        return session
+
+    # one turn
+
+    async def complete(self, session: Session, req: api.ChatRequest) -> Reply:
+        """One model turn for `session`: render (reusing the episode's tokens), generate, record, answer."""
+        if req.model != self.model_name:
+            raise GatewayError(
+                404,
+                f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+        if session.calls >= session.max_calls:
+            session.limit = "max_turns"
+            raise GatewayError(400, f"the episode's turn limit ({session.max_calls} calls) is reached", "max_turns")
+        session.calls += 1
+        tools = req.template_tools()
+        try:
+            messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
+            prompt = session.transcript.prompt(messages, tools)
+        except Exception as err:  # a template that rejects these messages (roles out of order, ...)
+            raise GatewayError(
+                400, f"the chat template cannot render these messages: {err}", param="messages"
+            ) from None
+        room = self.max_total_tokens - len(prompt.token_ids)
+        if room <= 0:
+            session.limit = "max_total_tokens"
+            raise GatewayError(
+                400,
+                f"the episode's {self.max_total_tokens}-token limit is reached (prompt: "
+                f"{len(prompt.token_ids)} tokens)",
+                "context_length_exceeded",
+                "messages",
+            )
+        budget = min(session.sampling.max_tokens, req.token_limit or room, room)
+        sampling = session.sampling.model_copy(update={"max_tokens": budget})
+        t0 = time.perf_counter()
+        try:
+            out = await generate_resumable(
+                lambda ids, s, rid: self.generate(session.episode_id, ids, s, rid),
+                prompt.token_ids,
+                sampling,
+                f"{session.episode_id}-c{session.calls}",
+            )
+        except RetryableEngineError as err:
+            raise GatewayError(503, f"no rollout engine could serve the call: {err}") from None
+        finally:
+            session.llm_s += time.perf_counter() - t0
+        chat = self.chat_for(tools)
+        out, text, stopped = self._cut_at_stop(out, chat, req.stops)
+        message, finish = self._message(text, out, bool(tools) and req.tool_choice != "none", stopped)
+        session.transcript.record(prompt, out, template_message(message), chat.eos_ids)
+        n_prompt = len(prompt.token_ids)
+        usage = {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": len(out.token_ids),
+            "total_tokens": n_prompt + len(out.token_ids),
+        }
+        logprobs = None
+        if req.logprobs:
+            pieces = [self.tokenizer.decode([t]) for t in out.token_ids]
+            logprobs = api.logprobs_out(pieces, out.logprobs)
+        return Reply(message, finish, usage, logprobs)
+
+    def _cut_at_stop(self, out: GenOutput, chat: ChatTokens, stops: list[str]) -> tuple[GenOutput, str, bool]:
+        """The output up to the first stop string (its tokens through the one that completes it, as vLLM keeps
+        them; the text before it, as OpenAI returns it)."""
+        text = chat.model_text(out.token_ids)
+        hits = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        if not hits:
+            return out, text, False
+        at, stop = min(hits)
+        lo, hi = 1, len(out.token_ids)  # the shortest prefix whose text holds the stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stop in chat.model_text(out.token_ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        cut = GenOutput(
+            out.token_ids[:lo], out.logprobs[:lo], "stop", out.version, out.versions[:lo], resumes=out.resumes
+        )
+        return cut, text[:at], True
+
+    def _message(self, text: str, out: GenOutput, tools: bool, stopped: bool) -> tuple[dict[str, Any], str]:
+        finish = "length" if out.finish_reason == "length" and not stopped else "stop"
+        if tools:
+            from agentrl.tools.parsers import ToolCall, parse_tool_calls, text_without_calls
+
+            calls = parse_tool_calls(text, self.parser)
+            if calls and all(isinstance(c, ToolCall) for c in calls):
+                made = api.tool_calls_out([(c.name, json.dumps(c.arguments)) for c in calls])
+                content = text_without_calls(text, self.parser)
+                return {"role": "assistant", "content": content or None, "tool_calls": made}, (
+                    "tool_calls" if finish == "stop" else finish
+                )
+        return {"role": "assistant", "content": text}, finish
+
+    # HTTP
+
+    def app(self) -> FastAPI:
+        app = FastAPI(title="agentrl agent gateway", version="1")
+        gateway = self
+
+        def session(authorization: str | None = Header(None)) -> Session:
+            return gateway.session_for(authorization)
+
+        @app.exception_handler(GatewayError)
+        async def _gateway_error(request: Request, err: GatewayError) -> JSONResponse:
+            return err.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+            first = err.errors()[0] if err.errors() else {}
+            where = ".".join(str(p) for p in first.get("loc", ())[1:])
+            message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
+            return JSONResponse(api.error_body(message, param=where or None), status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+            return JSONResponse(api.error_body(str(err.detail), kind), status_code=err.status_code)
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models(s: Session = Depends(session)) -> dict[str, Any]:
+            return {
+                "object": "list",
+                "data": [{"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}],
+            }
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat_completions(req: api.ChatRequest, s: Session = Depends(session)):
+            task = asyncio.current_task()
+            s.running.add(task)
+            try:
+                reply = await gateway.complete(s, req)
+            finally:
+                s.running.discard(task)
+            cid = api.completion_id()
+            if not req.stream:
+                return api.completion(cid, req.model, reply.message, reply.finish, reply.usage, reply.logprobs)
+            usage = reply.usage if req.stream_options and req.stream_options.include_usage else None
+            events = api.chunks(cid, req.model, reply.message, reply.finish, usage, reply.logprobs)
+            body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+            return StreamingResponse(iter([body]), media_type="text/event-stream")
+
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve on this event loop; returns the base URL (`.../v1` is the OpenAI base URL)."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        config = uvicorn.Config(
+            _BodyLimit(self.app(), self.max_body_bytes),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=60,
+        )
+        self._server = uvicorn.Server(config)
+        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._serving.done():
+                self._serving.result()  # raises the start-up error
+            await asyncio.sleep(0.01)
+        bound_host, bound_port = sock.getsockname()[:2]
+        shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+        self.url = f"http://{shown}:{bound_port}"
+        return self.url
+
+    async def stop(self) -> None:
+        for s in list(self.sessions.values()):
+            self.close(s)
+        if self._server is not None:
+            self._server.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._serving, 10)
+
+
+class _BodyLimit:
+    """Pure-ASGI guard: a request body over the limit, or one of unknown length, is answered before FastAPI reads
+    it (413 / 411, OpenAI-style body)."""
+
+    def __init__(self, app: Any, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is None and (b"transfer-encoding", b"chunked") in scope["headers"]:
+                return await self._refuse(scope, receive, send, 411, "send the body with a Content-Length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+                return await self._refuse(scope, receive, send, 413, f"request body over {self.max_bytes} bytes")
+        await self.app(scope, receive, send)
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any, status: int, message: str) -> None:
+        await JSONResponse(api.error_body(message), status_code=status)(scope, receive, send)

@@ -1,0 +1,180 @@
+"""The gateway's OpenAI API through the real `openai` SDK, with a scripted engine (a stand-in that returns given
+texts as tokens, so tool calls and stop strings are certain; the real vLLM engine's tests are in
+test_gateway_vllm.py): tool-call round trips, streaming, stop strings, log-probs, per-episode keys, and every bad
+request answered with an OpenAI-style 4xx."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.config.schema import SamplingConfig
+from agentrl.gateway.server import Gateway
+from agentrl.types import GenOutput
+
+MOVE = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "description": "Move the player.",
+        "parameters": {"type": "object", "properties": {"direction": {"type": "string"}}},
+    },
+}
+CALL = '<tool_call>{"name": "move", "arguments": {"direction": "up"}}</tool_call>'
+pytestmark = pytest.mark.asyncio(loop_scope="session")  # the gateway fixture serves on the session's loop
+START = [{"role": "system", "content": "Push the box."}, {"role": "user", "content": "#P X#"}]
+
+
+class ScriptedEngine:
+    """Stands in for an engine: each call returns the next scripted text's tokens (+ EOS), within the budget."""
+
+    def __init__(self, tok):
+        self.tok, self.script, self.prompts = tok, [], []
+
+    async def generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
+        self.prompts.append((episode_id, list(ids)))
+        out = self.tok.encode(self.script.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+        finish = "length" if len(out) > sampling.max_tokens else "stop"
+        out = out[: sampling.max_tokens]
+        return GenOutput(out, [-0.25 - 0.01 * i for i in range(len(out))], finish, 3)
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_path):
+    return AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.fixture
+async def gateway(tok):
+    engine = ScriptedEngine(tok)
+    gw = Gateway(tok, engine.generate, max_total_tokens=2000, max_body_bytes=64 << 10)
+    gw.engine = engine
+    await gw.start()
+    yield gw
+    await gw.stop()
+
+
+def _client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+
+
+async def test_tool_call_round_trip_reuses_the_episode_tokens(gateway, tok):
+    s = gateway.open("ep-1", SamplingConfig(max_tokens=200), max_calls=4)
+    gateway.engine.script += [CALL, "<answer>done</answer>"]
+    client = _client(gateway, s.key)
+    messages = list(START)
+    r1 = await client.chat.completions.create(model="agentrl", messages=messages, tools=[MOVE])
+    msg = r1.choices[0].message
+    assert r1.choices[0].finish_reason == "tool_calls" and msg.content is None
+    (call,) = msg.tool_calls
+    assert call.function.name == "move" and json.loads(call.function.arguments) == {"direction": "up"}
+    messages += [msg, {"role": "tool", "tool_call_id": call.id, "content": "moved up"}]  # the SDK object, as is
+    r2 = await client.chat.completions.create(model="agentrl", messages=messages, tools=[MOVE])
+    assert r2.choices[0].message.content == "<answer>done</answer>" and r2.choices[0].finish_reason == "stop"
+    t = s.transcript
+    assert len(t.lines) == 1 and len(t.turns) == 2  # the second call continued the first's tokens
+    (_, p1), (_, p2) = gateway.engine.prompts
+    first = p1 + t.turns[0].token_ids
+    assert p2[: len(first)] == first and "moved up" in tok.decode(p2[len(first) :])
+    assert r2.usage.prompt_tokens == len(p2) and r2.usage.completion_tokens == len(t.turns[1].token_ids)
+    assert set(t.main.versions) == {-1, 3}
+
+
+async def test_streaming_gives_the_same_completion(gateway):
+    s = gateway.open("ep-2", SamplingConfig(max_tokens=200), max_calls=4)
+    gateway.engine.script += ["Going up. " + CALL]
+    stream = await _client(gateway, s.key).chat.completions.create(
+        model="agentrl", messages=START, tools=[MOVE], stream=True, stream_options={"include_usage": True}
+    )
+    content, calls, finish, usage = "", {}, None, None
+    async for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for c in choice.delta.tool_calls or []:
+                calls.setdefault(c.index, {"name": "", "arguments": ""})
+                calls[c.index]["name"] += c.function.name or ""
+                calls[c.index]["arguments"] += c.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert content == "Going up." and finish == "tool_calls"
+    assert calls[0]["name"] == "move" and json.loads(calls[0]["arguments"]) == {"direction": "up"}
+    assert usage.completion_tokens == len(s.transcript.turns[0].token_ids)
+
+
+async def test_stop_strings_and_logprobs(gateway, tok):
+    s = gateway.open("ep-3", SamplingConfig(max_tokens=200), max_calls=4)
+    gateway.engine.script += ["<answer>Up</answer> and then more"]
+    r = await _client(gateway, s.key).chat.completions.create(
+        model="agentrl", messages=START, stop=["</answer>"], logprobs=True
+    )
+    assert r.choices[0].message.content == "<answer>Up" and r.choices[0].finish_reason == "stop"
+    (turn,) = s.transcript.turns
+    assert tok.decode(turn.token_ids).endswith("</answer>")  # recorded through the token that completed the stop
+    assert [c.logprob for c in r.choices[0].logprobs.content] == pytest.approx(turn.logprobs)
+    assert "".join(c.token for c in r.choices[0].logprobs.content) == tok.decode(turn.token_ids)
+
+
+async def test_keys_isolate_episodes(gateway):
+    a = gateway.open("ep-a", SamplingConfig(max_tokens=50), max_calls=4)
+    b = gateway.open("ep-b", SamplingConfig(max_tokens=50), max_calls=4)
+    gateway.engine.script += ["from a", "from b"]
+    await _client(gateway, a.key).chat.completions.create(model="agentrl", messages=START)
+    await _client(gateway, b.key).chat.completions.create(model="agentrl", messages=START)
+    assert [e for e, _ in gateway.engine.prompts] == ["ep-a", "ep-b"]
+    assert a.transcript.messages[-1]["content"] == "from a" and b.transcript.messages[-1]["content"] == "from b"
+    gateway.close(a)
+    with pytest.raises(openai.AuthenticationError):  # a finished episode's key is dead
+        await _client(gateway, a.key).chat.completions.create(model="agentrl", messages=START)
+    with pytest.raises(openai.AuthenticationError):
+        await _client(gateway, "guess").models.list()
+    models = await _client(gateway, b.key).models.list()
+    assert [m.id for m in models.data] == ["agentrl"]
+
+
+async def test_bad_requests_get_openai_style_4xx(gateway):
+    s = gateway.open("ep-bad", SamplingConfig(max_tokens=50), max_calls=1)
+    client = _client(gateway, s.key)
+    expected = [
+        (dict(model="gpt-4o", messages=START), openai.NotFoundError, "does not exist"),
+        (dict(model="agentrl", messages=START, n=2), openai.BadRequestError, "n"),
+        (dict(model="agentrl", messages=START, top_logprobs=3, logprobs=True), openai.BadRequestError, "top_logprobs"),
+        (dict(model="agentrl", messages=START, tool_choice="required", tools=[MOVE]), openai.BadRequestError, "tool"),
+        (dict(model="agentrl", messages=[]), openai.BadRequestError, "messages"),
+        (dict(model="agentrl", messages=[{"role": "robot", "content": "x"}]), openai.BadRequestError, "role"),
+        (dict(model="agentrl", messages=START, presence_penalty=0.5), openai.BadRequestError, "presence_penalty"),
+        (dict(model="agentrl", messages=START, stop=["a", "b", "c", "d", "e"]), openai.BadRequestError, "stop"),
+    ]
+    for kwargs, error, words in expected:
+        with pytest.raises(error) as info:
+            await client.chat.completions.create(**kwargs)
+        assert words in info.value.message, (kwargs, info.value.message)
+    assert gateway.engine.prompts == []  # none of them reached the engine
+    raw = httpx.AsyncClient(base_url=gateway.url, headers={"Authorization": f"Bearer {s.key}"})
+    r = await raw.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    big = {"model": "agentrl", "messages": [{"role": "user", "content": "x" * (70 << 10)}]}
+    r = await raw.post("/v1/chat/completions", json=big)
+    assert r.status_code == 413 and "bytes" in r.json()["error"]["message"]
+    assert (await raw.get("/v1/nothing")).status_code == 404
+    gateway.engine.script += ["one"]
+    await client.chat.completions.create(model="agentrl", messages=START)
+    with pytest.raises(openai.BadRequestError) as info:  # the episode's turn limit (max_calls=1)
+        await client.chat.completions.create(model="agentrl", messages=START)
+    assert info.value.code == "max_turns" and s.limit == "max_turns"
+    await raw.aclose()
+
+
+async def test_the_episode_token_limit_is_a_4xx_and_bounds_the_budget(gateway, tok):
+    s = gateway.open("ep-long", SamplingConfig(max_tokens=500), max_calls=8)
+    client = _client(gateway, s.key)
+    long_obs = [START[0], {"role": "user", "content": "word " * 1990}]
+    with pytest.raises(openai.BadRequestError) as info:
+        await client.chat.completions.create(model="agentrl", messages=long_obs)
+    assert info.value.code == "context_length_exceeded" and s.limit == "max_total_tokens"
+    gateway.engine.script += ["x " * 100]
+    r = await client.chat.completions.create(model="agentrl", messages=START, max_tokens=7)
+    assert r.usage.completion_tokens == 7 and r.choices[0].finish_reason == "length"
