@@ -37,7 +37,7 @@ class ScriptedEngine:
 
     async def generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         self.prompts.append((episode_id, list(ids)))
-        out = self.tok.encode(self.script.pop(0), add_special_tokens=False) + [self.tok.eos_token_id]
+        out = [*self.tok.encode(self.script.pop(0), add_special_tokens=False), self.tok.eos_token_id]
         finish = "length" if len(out) > sampling.max_tokens else "stop"
         out = out[: sampling.max_tokens]
         return GenOutput(out, [-0.25 - 0.01 * i for i in range(len(out))], finish, 3)

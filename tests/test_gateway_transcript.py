@@ -40,7 +40,7 @@ def _odd_tokens(tok, text: str) -> list[int]:
     """`text` as the model might have sampled it: one token per character, which re-tokenising would merge."""
     ids = [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
     assert ids != tok.encode(text, add_special_tokens=False), "pick a text the tokenizer merges"
-    return ids + [tok.eos_token_id]
+    return [*ids, tok.eos_token_id]
 
 
 def _out(ids: list[int], version: int = 0) -> GenOutput:
@@ -57,7 +57,9 @@ def _turn(transcript, tok, messages, text, tools=None):
 
 def test_extending_calls_reuse_the_exact_tokens(transcript, tok):
     p1, ids1, reply1 = _turn(transcript, tok, [SYSTEM, USER], "<answer>Right</answer>")
-    assert tok.decode(p1.token_ids) == tok.apply_chat_template([SYSTEM, USER], tokenize=False, add_generation_prompt=True)
+    assert tok.decode(p1.token_ids) == tok.apply_chat_template(
+        [SYSTEM, USER], tokenize=False, add_generation_prompt=True
+    )
     # the agent echoes the reply as the SDK gives it back (extra fields, None) and adds the next observation
     echoed = {**reply1, "refusal": None, "tool_calls": None}
     messages2 = [SYSTEM, USER, template_message(echoed), {"role": "user", "content": "#####\n# PX#\n#####"}]
@@ -74,7 +76,7 @@ def test_extending_calls_reuse_the_exact_tokens(transcript, tok):
 
 
 def test_a_rewritten_history_branches_into_a_new_sample(transcript, tok):
-    _, ids1, reply1 = _turn(transcript, tok, [SYSTEM, USER], "<answer>Up</answer>")
+    _, ids1, _reply1 = _turn(transcript, tok, [SYSTEM, USER], "<answer>Up</answer>")
     summary = {"role": "user", "content": "So far: you moved up. Now the box is left of you."}
     p2, ids2, _ = _turn(transcript, tok, [SYSTEM, summary], "<answer>Left</answer>")
     assert p2.line == -1 and len(transcript.branches) == 1  # rendered afresh, not spliced onto the old tokens
@@ -125,7 +127,7 @@ def test_tool_calls_echoed_back_match_what_was_returned(transcript, tok):
 
 
 def test_concurrent_calls_from_one_point_never_overwrite_each_other(transcript, tok):
-    _, ids1, reply1 = _turn(transcript, tok, [SYSTEM, USER], "<answer>Up</answer>")
+    _, _ids1, reply1 = _turn(transcript, tok, [SYSTEM, USER], "<answer>Up</answer>")
     base = [SYSTEM, USER, template_message(reply1)]
     a = transcript.prompt([*base, {"role": "user", "content": "a"}], None)
     b = transcript.prompt([*base, {"role": "user", "content": "b"}], None)
