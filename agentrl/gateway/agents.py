@@ -102,6 +102,7 @@ class AgentEpisodes:
         self.timeout_s = timeout_s
         self._http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode's client
         self._agents: dict[str, AgentFn] = {}
+        self.envs: dict[str, Any] = {}  # episode id -> its env while it runs (the warm start's expert reads it)
 
     async def run(self, spec: EpisodeSpec, agent: str) -> Episode:
         ep = Episode(episode_id=spec.episode_id, group_id=spec.group_id, env_id=spec.env_id)
@@ -116,16 +117,22 @@ class AgentEpisodes:
         ep.max_model_tokens = spec.sampling.max_tokens * max(1, len(ep.turns))
         return ep
 
+    def agent(self, ref: str) -> AgentFn:
+        if ref not in self._agents:
+            self._agents[ref] = resolve_agent(ref)
+        return self._agents[ref]
+
     async def _run(self, spec: EpisodeSpec, ep: Episode, agent: str) -> None:
         import openai
 
-        fn = self._agents.get(agent) or self._agents.setdefault(agent, resolve_agent(agent))
+        fn = self.agent(agent)
         off_loop = self.runner.off_loop
         t0 = time.perf_counter()
         env = await off_loop(self.runner.make_env, spec.env_id, spec.env_kwargs)
         obs, info = await off_loop(lambda: env.reset(seed=spec.seed))
         ep.timings["env"] += time.perf_counter() - t0
         ep.task = dict(info.get("task") or {})
+        self.envs[spec.episode_id] = env
         max_turns = spec.max_turns or getattr(env, "max_steps", None) or 32
         session = self.gateway.open(spec.episode_id, spec.sampling, max_turns)
         box = self.runner.toolboxes.get(tuple(spec.tool_sets))
@@ -185,6 +192,7 @@ class AgentEpisodes:
             if session.limit is None:
                 raise
         finally:
+            self.envs.pop(spec.episode_id, None)
             self.gateway.close(session)
             if box is not None:
                 await box.close_session(spec.episode_id)

@@ -57,6 +57,12 @@ async def _expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Call
     tags = list(cfg.envs.train.items())
     log_failure, errors = FirstOfKind("SFT warm start"), []
     at_once = asyncio.Semaphore(cfg.envs.env_threads)
+    agents = None  # agent programs play their own demos through a gateway (agentrl.gateway.demos)
+    if any(spec.agent for _, spec in tags):
+        from agentrl.gateway.demos import AgentDemos
+
+        agents = AgentDemos(cfg, tokenizer, boxes, NOISE_SEED)
+        await agents.start()
 
     async def play(i: int) -> list[Sample] | None:
         tag, spec = tags[i % len(tags)]
@@ -64,6 +70,8 @@ async def _expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Call
         demo = _Demo(cfg, chats[sets], boxes.get(sets), parse, tokenizer.eos_token_id)
         async with at_once:
             try:
+                if agents is not None and spec.agent:
+                    return await agents.play(tag, spec, DEMO_SEED_OFFSET + spec.seed_start + i, i)
                 return await demo.play(tag, spec, i)
             except Exception as err:  # the env's (or a tool's) own bug, or a hang: skip this demo, keep the others
                 error = f"{type(err).__name__}: {err}"
@@ -76,6 +84,8 @@ async def _expert_samples(cfg: Config, tokenizer: Any, episodes: int, tick: Call
     try:
         played = await asyncio.gather(*(play(i) for i in range(episodes)))
     finally:
+        if agents is not None:
+            await agents.aclose()
         for box in boxes.values():
             await box.aclose()
     samples = Demos()
@@ -181,12 +191,27 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
         "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window, DEMO_FORMAT],
         "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
+        "agents": _agent_sources(cfg),  # an agent program plays its own demos: its code shapes them
         "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),
         # The warm start runs at trainer.sft.lr, constant: the RL lr and schedule do not change it.
         "optim": cfg.trainer.optim.model_dump(exclude={"lr", "schedule", "warmup_steps"}),
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(cfg.model.cache_dir).expanduser() / f"warmstart-{digest}"
+
+
+def _agent_sources(cfg: Config) -> dict[str, str]:
+    """A digest of each train env's agent program's module source (its prompts and tool format are the demos')."""
+    import inspect
+
+    from agentrl.gateway.agents import resolve_agent
+
+    digests = {}
+    for spec in cfg.envs.train.values():
+        if spec.agent and spec.agent not in digests:
+            source = inspect.getsource(inspect.getmodule(resolve_agent(spec.agent)))
+            digests[spec.agent] = hashlib.sha256(source.encode()).hexdigest()[:16]
+    return digests
 
 
 def is_cached(path: Path | None) -> bool:
