@@ -82,6 +82,24 @@ async def test_multi_turn_calls_are_recorded_token_exact(gateway):
     assert replies == [chat.model_text(turn.token_ids) for turn in t.turns]  # what the agent read, streamed or not
 
 
+async def test_a_rewritten_history_branches_against_the_engine(gateway):
+    s = gateway.open("gw/rewrite/0", SamplingConfig(max_tokens=16), max_calls=8)
+    client = _client(gateway, s.key)
+    start = [{"role": "system", "content": "Push the box."}, {"role": "user", "content": "grid 1"}]
+    r1 = await client.chat.completions.create(model="agentrl", messages=start)
+    history = [*start, {"role": "assistant", "content": r1.choices[0].message.content}]
+    await client.chat.completions.create(model="agentrl", messages=[*history, {"role": "user", "content": "grid 2"}])
+    summary = [start[0], {"role": "user", "content": "you moved once; grid 2"}]  # the agent summarised its past
+    await client.chat.completions.create(model="agentrl", messages=summary)
+    t = s.transcript
+    assert len(t.lines) == 2 and len(t.turns) == 3
+    first, second = t.branches[0], t.main
+    assert first.num_model_tokens == len(t.turns[0].token_ids) + len(t.turns[1].token_ids)
+    assert second.num_model_tokens == len(t.turns[2].token_ids) and second.token_ids[: -len(t.turns[2].token_ids)] == (
+        t.turns[2].prompt_ids
+    )  # a sample of its own, from the template's render of the new history
+
+
 async def test_a_weight_update_mid_call_resumes_with_both_versions(gateway, vllm_fleet, tiny_model_path, tmp_path):
     _, engines, router = vllm_fleet
     version = (await engines[0].stats.remote())["version"]
@@ -129,6 +147,11 @@ def manager(vllm_fleet, tiny_model_path):
         "crash": {"env_id": "agentrl/SimpleSokoban-v0", "agent": "tests.agents_fixtures:crashing"},
         "hang": {"env_id": "agentrl/SimpleSokoban-v0", "agent": "tests.agents_fixtures:hanging"},
         "silent": {"env_id": "agentrl/SimpleSokoban-v0", "agent": "tests.agents_fixtures:silent"},
+        "framework": {
+            "env_id": "agentrl/SimpleSokoban-v0",
+            "agent": "agentrl.examples.sokoban_pydantic_ai_agent:agent",
+            "max_turns": 6,
+        },
     }
     cfg = load_config(None, ["rollout.sampling.max_tokens=24", "gateway.agent_timeout_s=8"])
     cfg.envs.train = {tag: {"group_size": 2, **spec} for tag, spec in train.items()}
@@ -144,6 +167,9 @@ async def test_agent_programs_run_as_episodes_of_a_group(manager):
         assert 1 <= metrics["turns"] <= 4 and "success" in metrics  # the env's metrics, through task.step
         assert sample.reward == metrics["return"] and sample.num_model_tokens > 0
         assert sample.group_id == "train/sokoban/5"
+    framework = await manager.run_group.remote("framework", 7)  # pydantic-ai runs its own loop over the gateway
+    assert not framework.failures and len(framework.samples) == 2
+    assert all(m["turns"] >= 1 for m in framework.episode_metrics)
     scored = await manager.run_group.remote("scored", 6)
     assert [m["said_something"] for m in scored.episode_metrics] == [1.0, 1.0]
     assert {s.reward for s in scored.samples} <= {0.0, 1.0, 2.0}
