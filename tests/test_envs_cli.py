@@ -68,3 +68,15 @@ def test_check_env_usage_errors_exit_2_with_one_line() -> None:
     assert bad_value.returncode == 2 and "symbols" in bad_value.stderr
     missing = agentrl("envs", "--import", "tests.no_such_module")
     assert missing.returncode == 2
+
+
+def test_check_env_plays_an_agent_program_with_the_expert_answering() -> None:
+    agent = "agentrl.examples.sokoban_openai_agent:agent"
+    out = agentrl("check-env", "agentrl/SimpleSokoban-v0", "--agent", agent, "--episodes", "4", "--json")
+    assert out.returncode == 0, out.stdout + out.stderr
+    report = json.loads(out.stdout)
+    assert report["ok"] and report["success_rate"] == 1.0 and report["failed"] == 0 and report["mean_turns"] >= 1
+    bad = agentrl("check-env", "agentrl/SimpleSokoban-v0", "--agent", "tests.agents_fixtures:scored", "--episodes", "2")
+    assert bad.returncode == 1 and "no expert_reply" in bad.stderr
+    missing = agentrl("check-env", "agentrl/SimpleSokoban-v0", "--agent", "tests.no_such_module:agent")
+    assert missing.returncode == 2 and "cannot import agent" in missing.stderr

@@ -35,6 +35,12 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
         "--timeout-s", type=float, default=30.0, help="limit of each env call, as envs.step_timeout_s (default 30)"
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument(
+        "--agent",
+        metavar="MODULE:FN",
+        help="play the env with this agent program through the gateway, the env's expert answering for the model "
+        "(the agent's plumbing: prompts, tool format, rewards); `agentrl rollout` plays it with a model",
+    )
     c.set_defaults(func=_check)
 
 
@@ -79,6 +85,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.env_id.startswith(REMOTE_SCHEMES):  # a server: check it through the OpenEnv adapter
         kwargs = {"url": args.env_id, **kwargs}
         args.env_id = REMOTE_ENV_ID
+    if args.agent:
+        return _check_agent(args, kwargs)
     try:
         known = env_kwargs(args.env_id)
         unknown = sorted(set(kwargs) - set(known))
@@ -110,3 +118,68 @@ def _print_report(report: dict) -> None:
             f"mean return {stats['mean_return']:.3f}  steps/s {stats['steps_per_s'] or 0:,.0f}  "
             f"reset {stats['reset_ms']:.3f} ms  ({stats['episodes']} episodes)"
         )
+
+
+def _check_agent(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """Play `--episodes` episodes with the agent program, the env's expert answering in the model's place."""
+    import asyncio
+
+    from agentrl.config import ConfigError, load_config
+    from agentrl.gateway.agents import UnknownAgentError, resolve_agent
+
+    try:
+        resolve_agent(args.agent)
+        cfg = load_config(None, [f"envs.step_timeout_s={args.timeout_s}", "trainer.sft.expert_noise=0"])
+        cfg.envs.train = {"check": {"env_id": args.env_id, "agent": args.agent, "kwargs": kwargs}}
+    except (UnknownAgentError, ConfigError, ValueError) as err:
+        raise UsageError(str(err)) from None
+    report = asyncio.run(_play_agent(cfg, args))
+    if args.json:
+        print(json.dumps(report, indent=2, default=repr))
+    else:
+        print(f"{args.env_id} with agent {args.agent}: {'OK' if report['ok'] else 'FAILED'}")
+        print(
+            f"  expert through the agent  success {report['success_rate']:.1%}  mean turns {report['mean_turns']:.2f}  "
+            f"mean return {report['mean_return']:.3f}  ({report['episodes']} episodes, {report['failed']} failed)"
+        )
+    for problem in report["violations"]:
+        print(f"agentrl check-env: FAIL {args.env_id} with agent {args.agent}: {problem}", file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+async def _play_agent(cfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    from agentrl.envmanager.manager import build_toolboxes
+    from agentrl.gateway.demos import AgentDemos
+    from agentrl.models.tiny import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer or resolve_model_path(cfg.model.path))
+    boxes = build_toolboxes(cfg, splits=("train",))
+    demos = AgentDemos(cfg, tokenizer, boxes, noise_seed=1)
+    spec = cfg.envs.train["check"]
+    played, errors = [], []
+    await demos.start()
+    try:
+        for i in range(args.episodes):
+            try:
+                played.append(await demos.episode("check", spec, args.seed + i, i))
+            except Exception as err:
+                errors.append(f"episode {args.seed + i}: {type(err).__name__}: {err}")
+    finally:
+        await demos.aclose()
+        for box in boxes.values():
+            await box.aclose()
+    n = max(len(played), 1)
+    violations = errors[:3] + ([f"... and {len(errors) - 3} more failed episodes"] if len(errors) > 3 else [])
+    return {
+        "env": args.env_id,
+        "agent": args.agent,
+        "ok": not errors,
+        "episodes": len(played) + len(errors),
+        "failed": len(errors),
+        "success_rate": sum(ep.metrics.get("success", 0.0) for ep in played) / n,
+        "mean_turns": sum(len(ep.turns) for ep in played) / n,
+        "mean_return": sum(ep.env_return for ep in played) / n,
+        "violations": violations,
+    }

@@ -19,7 +19,7 @@ from agentrl.envmanager.samples import to_samples
 from agentrl.envs.env_calls import acall_with_timeout
 from agentrl.gateway.agents import AgentEpisodes
 from agentrl.gateway.server import Gateway, GatewayError
-from agentrl.types import EpisodeSpec, GenOutput, Sample
+from agentrl.types import Episode, EpisodeSpec, GenOutput, Sample
 
 NOISY = -2  # the version a noisy demo turn's tokens carry until they are masked out
 
@@ -57,6 +57,16 @@ class AgentDemos:
 
     async def play(self, tag: str, spec: TrainEnvConfig, seed: int, i: int) -> list[Sample]:
         """Demo episode `i` of agent env `tag` on task `seed`: its model turns as samples."""
+        ep = await self.episode(tag, spec, seed, i)
+        samples = to_samples(ep, 0.0, self.cfg.envs.sample_mode)
+        for s in samples:  # noisy turns were played, not trained on
+            s.loss_mask = [0 if v == NOISY else m for v, m in zip(s.versions, s.loss_mask, strict=True)]
+            s.versions = [-1] * len(s.versions)
+        return [s for s in samples if s.num_model_tokens]
+
+    async def episode(self, tag: str, spec: TrainEnvConfig, seed: int, i: int) -> Episode:
+        """The agent's episode with the expert answering (raises on a failure other than the expert running out
+        of moves, which ends the episode with the turns it has)."""
         fn = self.episodes.agent(spec.agent or "")
         reply = getattr(fn, "expert_reply", None)
         if not callable(reply):
@@ -83,11 +93,7 @@ class AgentDemos:
             )
         if ep.error is not None and not (over and ep.turns):
             raise RuntimeError(ep.error)
-        samples = to_samples(ep, 0.0, self.cfg.envs.sample_mode)
-        for s in samples:  # noisy turns were played, not trained on
-            s.loss_mask = [0 if v == NOISY else m for v, m in zip(s.versions, s.loss_mask, strict=True)]
-            s.versions = [-1] * len(s.versions)
-        return [s for s in samples if s.num_model_tokens]
+        return ep
 
     async def _generate(self, episode_id: str, ids: list[int], sampling: SamplingConfig, rid: str) -> GenOutput:
         """The expert's move, said the way the agent wants it, as tokens (a random move now and then)."""

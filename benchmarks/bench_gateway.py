@@ -1,0 +1,209 @@
+"""Agent gateway overhead: CPU per model call through the gateway vs a direct engine call, and calls/s against
+vLLM's own OpenAI-compatible server on the same model, side by side in one run. Prints one JSON object.
+
+    python benchmarks/bench_gateway.py [--agents 64 256] [--turns 6] [--tokens 16]
+
+Every agent plays the same multi-turn conversation: the rules and a Sokoban grid with the `move` tool, then each
+reply and a new grid appended (so the gateway's token reuse path runs, as for a real agent). Every call generates
+exactly `--tokens` tokens (ignore_eos), so each side does the same engine work.
+
+- `direct`: the env manager's own path, token ids straight to the engine (agentrl's engine actor behind the router,
+  `EngineClient`), prompts rendered by `ChatTokens` as the env manager does.
+- `gateway`: the same agents written with the `openai` SDK against agentrl's gateway (in this process, like an env
+  manager's), which renders, reuses the episode's tokens, generates on the same engine and parses tool calls.
+- `vllm_serve`: the same SDK agents against `vllm serve` on the same model (a subprocess; started after agentrl's
+  engine is gone, never beside it), the endpoint a user would point agents at otherwise.
+
+CPU is the machine's (user + system time from /proc/stat, every process: this one, the engine's, Ray's), over the
+calls made, on an otherwise idle machine. `overhead` = (gateway - direct) / gateway CPU per call: the share of a
+gateway turn's CPU spent on the gateway and the SDK. Targets: overhead <= 0.10, `vs_vllm_serve` >= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+SYSTEM = "Sokoban: push each box X onto a target O.\nMake one move per turn with the move tool."
+GRID = "######\n##___#\n#_O_##\n#__XP#\n#___##\n######"
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="builtin:tiny")
+    p.add_argument("--agents", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--tokens", type=int, default=16)
+    return p.parse_args()
+
+
+def _cpu_s() -> float:
+    """User + system CPU seconds of the whole machine so far."""
+    with open("/proc/stat") as stat:
+        fields = stat.readline().split()[1:]
+    return (int(fields[0]) + int(fields[1]) + int(fields[2])) / os.sysconf("SC_CLK_TCK")
+
+
+def _messages(i: int, turn: int, replies: list[str]) -> list[dict[str, Any]]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"{GRID}\n(agent {i})"}]
+    for t, reply in enumerate(replies[:turn]):
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": f"{GRID}\n(turn {t})"}]
+    return messages
+
+
+async def _measure(play, agents: int, turns: int) -> dict[str, float]:
+    await asyncio.gather(*(play(i, 2) for i in range(min(agents, 16))))  # warm-up
+    cpu0, t0 = _cpu_s(), time.perf_counter()
+    await asyncio.gather(*(play(i, turns) for i in range(agents)))
+    seconds, calls = time.perf_counter() - t0, agents * turns
+    return {"calls_per_s": calls / seconds, "cpu_ms_per_call": 1000 * (_cpu_s() - cpu0) / calls, "seconds": seconds}
+
+
+def _sdk_player(base_url: str, key_for, model: str, tokens: int, tools: list[dict], extra: dict | None = None):
+    import openai
+
+    http = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=1024))
+
+    async def play(i: int, turns: int) -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=key_for(i, turns), http_client=http, max_retries=0)
+        replies: list[str] = []
+        for turn in range(turns):
+            r = await client.chat.completions.create(
+                model=model, messages=_messages(i, turn, replies), tools=tools, max_tokens=tokens, extra_body=extra,
+            )  # fmt: skip
+            replies.append(r.choices[0].message.content or "")
+
+    return play
+
+
+async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    import ray
+    from transformers import AutoTokenizer
+
+    from agentrl.config.schema import RolloutConfig, SamplingConfig
+    from agentrl.envmanager.chat import ChatTokens
+    from agentrl.examples.sokoban_openai_agent import MOVE
+    from agentrl.gateway.server import Gateway
+    from agentrl.rollout.engine_client import EngineClient
+    from agentrl.rollout.fleet import start_engines, start_router
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    engines = start_engines(RolloutConfig(num_engines=1), model_path)
+    router = start_router(engines, RolloutConfig(num_engines=1))
+    client = EngineClient(router)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    chat = ChatTokens(tok, [MOVE])
+    sampling = SamplingConfig(max_tokens=args.tokens, ignore_eos=True)
+    out: dict[str, Any] = {}
+    try:
+        for agents in args.agents:
+
+            async def direct(i: int, turns: int, agents: int = agents) -> None:
+                replies: list[str] = []
+                for turn in range(turns):
+                    ids = chat.prompt_ids(_messages(i, turn, replies))
+                    g = await client.generate(f"d{agents}-{i}-{turns}", ids, sampling, f"d{agents}-{i}-{turns}-{turn}")
+                    replies.append(chat.model_text(g.token_ids))
+                client.release(f"d{agents}-{i}-{turns}")
+
+            gw = Gateway(tok, client.generate, max_total_tokens=4096)
+            await gw.start()
+            sessions: dict[tuple[int, int], Any] = {}
+
+            def key_for(i: int, turns: int, gw: Gateway = gw, sessions: dict = sessions) -> str:
+                s = gw.open(f"g{id(sessions)}-{i}-{turns}", sampling, max_calls=turns)
+                sessions[(i, turns)] = s
+                return s.key
+
+            gateway = _sdk_player(f"{gw.url}/v1", key_for, "agentrl", args.tokens, [MOVE])
+            out[str(agents)] = {
+                "direct": await _measure(direct, agents, args.turns),
+                "gateway": await _measure(gateway, agents, args.turns),
+            }
+            # every call after an agent's first continued its recorded tokens (one segment per agent)
+            out[str(agents)]["gateway"]["history_reused"] = all(len(s.transcript.lines) == 1 for s in sessions.values())
+            await gw.stop()
+    finally:
+        ray.shutdown()
+    return out
+
+
+async def _vllm_serve_side(model_path: str, args: argparse.Namespace) -> dict[str, Any]:
+    from agentrl.examples.sokoban_openai_agent import MOVE
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port),
+        "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
+        "--served-model-name", "tiny", "--block-size", "32", "--disable-log-requests",
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited: {proc.stderr.read().decode()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("vllm serve did not start in 300 s")
+            await asyncio.sleep(1)
+        out = {}
+        for agents in args.agents:
+            url = f"http://127.0.0.1:{port}/v1"
+            play = _sdk_player(url, lambda i, t: "none", "tiny", args.tokens, [MOVE], extra={"ignore_eos": True})
+            out[str(agents)] = await _measure(play, agents, args.turns)
+        return out
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from agentrl.models.tiny import resolve_model_path
+
+    model_path = resolve_model_path(args.model)
+    ours = await _agentrl_sides(model_path, args)
+    served = await _vllm_serve_side(model_path, args)
+    result: dict[str, Any] = {
+        "agents": args.agents,
+        "turns": args.turns,
+        "tokens_per_call": args.tokens,
+        "by_agents": {},
+    }
+    for agents in map(str, args.agents):
+        d, g, v = ours[agents]["direct"], ours[agents]["gateway"], served[agents]
+        result["by_agents"][agents] = {
+            "direct": d,
+            "gateway": g,
+            "vllm_serve": v,
+            "overhead": (g["cpu_ms_per_call"] - d["cpu_ms_per_call"]) / g["cpu_ms_per_call"],
+            "vs_vllm_serve": g["calls_per_s"] / v["calls_per_s"],
+        }
+    result["targets"] = {"overhead_max": 0.10, "vs_vllm_serve_min": 1.0}
+    result["load_avg"] = os.getloadavg()
+    return result
+
+
+def main() -> None:
+    print(json.dumps(asyncio.run(_run(_args())), indent=1))
+
+
+if __name__ == "__main__":
+    main()
