@@ -64,3 +64,49 @@ async def test_noisy_demo_moves_are_played_not_trained(tok):
 async def test_an_agent_without_an_expert_reply_is_a_clear_error(tok):
     with pytest.raises(ConfigError, match="no expert_reply"):
         await _demos(tok, "tests.agents_fixtures:scored", episodes=1)
+
+
+@pytest.fixture
+async def command_episodes(tok):
+    """Agent commands against a gateway whose engine is the env's expert (no model needed)."""
+    cfg = load_config(None, ["rollout.sampling.max_tokens=28"])
+    demos = AgentDemos(cfg, tok, {}, noise_seed=7)
+    await demos.start()
+    demos.episodes.timeout_s = 20.0
+
+    async def run(argv: str, seed: int = 0):
+        from agentrl.types import EpisodeSpec
+
+        agent = f"cmd: python tests/agent_command.py {argv}"
+        spec = EpisodeSpec("agentrl/SimpleSokoban-v0", seed, "cmd", "demo", 0, agent=agent,
+                           sampling=cfg.rollout.sampling)  # fmt: skip
+        demos._play[spec.episode_id] = (lambda action: action, __import__("random").Random(0))
+        return await demos.episodes.run(spec, agent)
+
+    yield run, demos
+    await demos.aclose()
+
+
+@pytest.mark.heavy
+async def test_an_agent_command_plays_through_the_gateway_in_a_jail(command_episodes, tok, tmp_path):
+    run, demos = command_episodes
+    ep = await run("play")
+    assert ep.error is None, ep.error
+    (turn,) = ep.turns  # its one model call, recorded token-exact
+    assert tok.decode(turn.token_ids).startswith("<answer>") and ep.metrics["steps"] == 1.0
+    assert ep.env_return == pytest.approx(0.5 + turn.reward)  # its printed reward: 0.5 + what its step got
+    secret = tmp_path / "secret"
+    secret.write_text("host file")
+    # its gateway's own TCP address, another address, the internet, a host file: all out of reach (it exits 5 if not)
+    escape = await run(f"escape {demos.gateway.url}/health http://10.255.255.1:80/ https://pypi.org/ {secret}")
+    assert escape.error is None, escape.error
+
+
+@pytest.mark.heavy
+async def test_agent_commands_that_fail_or_hang_fail_their_episode(command_episodes):
+    run, demos = command_episodes
+    failed = await run("fail")
+    assert failed.error is not None and "exited with code 3" in failed.error and "went wrong" in failed.error
+    demos.episodes.timeout_s = 3.0
+    hung = await run("hang")
+    assert hung.error is not None and "timed out after 3.0s" in hung.error

@@ -121,7 +121,8 @@ def _python_dirs() -> list[str]:
     return sorted(d for d in dirs if d != "/usr" and not d.startswith("/usr/"))
 
 
-def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
+def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int, binds: tuple[tuple[str, bool], ...] = ()) -> list[str]:
+    """The jail; `binds` adds (host path, writable) mounts at the same paths (an agent command's code, its socket)."""
     argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     argv += ["--as-pid-1", "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--clearenv"]
     if as_root:  # no user namespace; the launcher needs these two to drop to its fresh uid, which clears them
@@ -140,7 +141,8 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
     # /tmp first: the Python installation may live under /tmp (a CI clone) and is then bound on top of it
     argv += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     made: set[str] = {"/tmp"}
-    for path in _python_dirs():
+    mounts = [(path, False) for path in _python_dirs()] + list(binds)
+    for path, writable in mounts:
         parent = os.path.dirname(path)
         ancestors = []
         while parent not in ("/", "") and parent not in made:
@@ -149,7 +151,7 @@ def _bwrap_argv(bwrap: str, as_root: bool, tmp_bytes: int) -> list[str]:
         for d in reversed(ancestors):  # bwrap would copy the host's modes (/root is 0700); the dropped uid must pass
             argv += ["--perms", "0755", "--dir", d]
             made.add(d)
-        argv += ["--ro-bind", path, path]
+        argv += ["--bind" if writable else "--ro-bind", path, path]
     argv += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--dir", WORKDIR]
     return [*argv, "--chdir", WORKDIR]
 
@@ -188,8 +190,11 @@ def _probe(bwrap: str, as_root: bool) -> str | None:
     return None
 
 
-async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: bool = False) -> RunOutput:
-    """Run `code` under the limits; stdout and stderr come back interleaved, capped at max_output_bytes."""
+async def run_sandboxed(
+    code: str, limits: SandboxLimits | None = None, unsafe: bool = False, binds: tuple[tuple[str, bool], ...] = ()
+) -> RunOutput:
+    """Run `code` under the limits; stdout and stderr come back interleaved, capped at max_output_bytes. `binds`:
+    (host path, writable) mounted into the jail at the same paths."""
     lim = limits or SandboxLimits()
     if unsafe:
         with tempfile.TemporaryDirectory(prefix="agentrl-py-") as workdir:
@@ -203,7 +208,8 @@ async def run_sandboxed(code: str, limits: SandboxLimits | None = None, unsafe: 
     bwrap = shutil.which(BWRAP) or BWRAP
     info_r, info_w = os.pipe()  # bwrap reports the host pid of the namespace's init here
     try:
-        argv = [*_bwrap_argv(bwrap, as_root, lim.tmp_mb << 20), "--info-fd", str(info_w), sys.executable, "-I", "-c"]
+        jail = _bwrap_argv(bwrap, as_root, lim.tmp_mb << 20, binds)
+        argv = [*jail, "--info-fd", str(info_w), sys.executable, "-I", "-c"]
         argv.append(_launcher(lim, uid, lim.max_processes))
         return await _run(argv, code, lim, None, _clean_env("/tmp"), pass_fds=(info_w,), info_fd=info_r)
     finally:

@@ -397,6 +397,11 @@ class GatewayConfig(Section):
     model_name: str = Field("agentrl", description="the model id agents must ask for (task.model holds it)")
     agent_timeout_s: PositiveFloat = Field(300.0, description="wall time of one agent episode")
     max_body_bytes: PositiveInt = Field(4 << 20, description="largest request body")
+    command_sandbox: bool = Field(
+        True,
+        description="jail agent commands (agent: 'cmd: ...'); false only inside a disposable container: they then "
+        "reach whatever this machine can",
+    )
 
 
 class ValidationConfig(Section):

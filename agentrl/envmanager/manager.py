@@ -135,7 +135,7 @@ class EnvManager:
         )
         await gateway.start(g.host)  # a free port: one gateway per env manager
         logger.info("env manager %d: agent gateway at %s/v1", self.index, gateway.url)
-        return AgentEpisodes(self.runner, gateway, g.agent_timeout_s)
+        return AgentEpisodes(self.runner, gateway, g.agent_timeout_s, g.command_sandbox)
 
     async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> Group:
         """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples."""

@@ -17,13 +17,15 @@ import asyncio
 import importlib
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from agentrl.gateway.server import Gateway, Session
+from agentrl.gateway.commands import is_command, reward_from_output, run_command
+from agentrl.gateway.server import EpisodeEnded, Gateway, Session
 from agentrl.types import Episode, EpisodeSpec
 
 AgentFn = Callable[[Any, "AgentTask"], Awaitable[Any]]
+HTTP_POOLS = 16
 _AGENTS: dict[str, AgentFn] = {}
 
 
@@ -94,13 +96,17 @@ class AgentEpisodes:
     """Runs agent episodes for one env manager, beside its native `EpisodeRunner` (whose env threads, tool boxes
     and limits it shares)."""
 
-    def __init__(self, runner: Any, gateway: Gateway, timeout_s: float):
+    def __init__(self, runner: Any, gateway: Gateway, timeout_s: float, command_sandbox: bool = True):
         import openai
 
         self.runner = runner
         self.gateway = gateway
         self.timeout_s = timeout_s
-        self._http = openai.DefaultAsyncHttpxClient()  # one connection pool for every episode's client
+        self.command_sandbox = command_sandbox
+        # Connection pools shared by the episodes' clients: httpx scans a pool's connections on every request, so
+        # one pool for hundreds of concurrent episodes costs more per call than a few smaller ones (measured: 3.84
+        # vs 3.41 ms of CPU per call at 256 agents, 1 vs 16 pools).
+        self._http = [openai.DefaultAsyncHttpxClient() for _ in range(HTTP_POOLS)]
         self._agents: dict[str, AgentFn] = {}
         self.envs: dict[str, Any] = {}  # episode id -> its env while it runs (the warm start's expert reads it)
 
@@ -125,7 +131,7 @@ class AgentEpisodes:
     async def _run(self, spec: EpisodeSpec, ep: Episode, agent: str) -> None:
         import openai
 
-        fn = self.agent(agent)
+        fn = None if is_command(agent) else self.agent(agent)
         off_loop = self.runner.off_loop
         t0 = time.perf_counter()
         env = await off_loop(self.runner.make_env, spec.env_id, spec.env_kwargs)
@@ -143,7 +149,7 @@ class AgentEpisodes:
         async def step(action: str) -> StepResult:
             nonlocal ended
             if ended:
-                raise RuntimeError("the episode's env has ended; no more steps")
+                raise EpisodeEnded("the episode's env has ended; no more steps")
             t = time.perf_counter()
             o, r, terminated, truncated, i = await off_loop(env.step, action)
             ep.timings["env"] += time.perf_counter() - t
@@ -180,12 +186,21 @@ class AgentEpisodes:
             _step=step,
             _tool=call_tool,
         )
-        client = openai.AsyncOpenAI(
-            base_url=task.base_url, api_key=session.key, max_retries=0, timeout=self.timeout_s, http_client=self._http
-        )
+        session.step = step
+        session.task = {k: v for k, v in asdict(task).items() if not k.startswith("_") and k != "api_key"}
         result: Any = None
         try:
-            result = await asyncio.wait_for(fn(client, task), self.timeout_s)
+            if fn is None:
+                result = await self._command(agent, session)
+            else:
+                client = openai.AsyncOpenAI(
+                    base_url=task.base_url,
+                    api_key=session.key,
+                    max_retries=0,
+                    timeout=self.timeout_s,
+                    http_client=self._http[hash(spec.episode_id) % HTTP_POOLS],
+                )
+                result = await asyncio.wait_for(fn(client, task), self.timeout_s)
         except (asyncio.CancelledError, TimeoutError):
             raise
         except Exception:
@@ -202,6 +217,18 @@ class AgentEpisodes:
         if session.limit is not None:
             ep.truncation = session.limit  # type: ignore[assignment]
         self._score(ep, result, agent)
+
+    async def _command(self, agent: str, session: Session) -> Any:
+        """Run an agent command (agentrl.gateway.commands); its reward from its output, else None (the env's)."""
+        run = await run_command(
+            agent, self.gateway.socket_path, session.key, session.task or {}, self.timeout_s, self.command_sandbox
+        )
+        if run.timed_out:
+            raise TimeoutError
+        if run.exit_code != 0:
+            tail = " | ".join(run.output.strip().splitlines()[-3:])[-300:]
+            raise RuntimeError(f"exited with code {run.exit_code}: {tail or '(no output)'}")
+        return reward_from_output(run.output)
 
     @staticmethod
     def _record(ep: Episode, session: Session) -> None:
@@ -241,4 +268,5 @@ class AgentEpisodes:
             ep.env_return = float(result)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for http in self._http:
+            await http.aclose()

@@ -111,6 +111,12 @@ class ChatRequest(_Strict):
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
 
 
+class StepRequest(_Strict):
+    """POST /v1/agentrl/step: the agent's action, as the env reads model output."""
+
+    action: str = Field(max_length=1 << 16)
+
+
 def error_body(message: str, kind: str = "invalid_request_error", param: str | None = None, code: str | None = None):
     """OpenAI's error object: the SDK raises it as `openai.APIStatusError` subclasses with this message."""
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}

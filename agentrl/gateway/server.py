@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import socket
 import time
@@ -38,6 +39,10 @@ from agentrl.types import GenOutput
 
 logger = logging.getLogger(__name__)
 GenerateFn = Callable[[str, list[int], SamplingConfig, str], Awaitable[GenOutput]]
+
+
+class EpisodeEnded(RuntimeError):
+    """A step after the env ended the episode."""
 
 
 class GatewayError(Exception):
@@ -67,6 +72,8 @@ class Session:
     limit: str | None = None  # "max_turns" / "max_total_tokens" once the agent ran into one
     llm_s: float = 0.0  # time its calls spent generating
     running: set[asyncio.Task] = field(default_factory=set)
+    task: dict[str, Any] | None = None  # what GET /v1/agentrl/task shows an agent program that runs elsewhere
+    step: Callable[[str], Awaitable[Any]] | None = None  # what POST /v1/agentrl/step calls (the episode's env)
 
 
 @dataclass
@@ -101,6 +108,7 @@ class Gateway:
         self._server: Any = None
         self._serving: asyncio.Task | None = None
         self.url = ""
+        self.socket_path = ""  # the Unix socket agent commands reach it through (agentrl.gateway.commands)
 
     # sessions
 
@@ -263,6 +271,24 @@ class Gateway:
                 "data": [{"id": gateway.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}],
             }
 
+        @app.get("/v1/agentrl/task")
+        async def task(s: Session = Depends(session)) -> dict[str, Any]:
+            """The episode's task, for an agent program that is not Python in this process (an external command)."""
+            if s.task is None:
+                raise GatewayError(404, "this episode has no task to show")
+            return s.task
+
+        @app.post("/v1/agentrl/step")
+        async def step(body: api.StepRequest, s: Session = Depends(session)) -> dict[str, Any]:
+            """Act in the episode's env: what `task.step(action)` does for an agent in this process."""
+            if s.step is None:
+                raise GatewayError(404, "this episode has no env to step")
+            try:
+                result = await s.step(body.action)
+            except EpisodeEnded as err:
+                raise GatewayError(409, str(err), "episode_ended") from None
+            return result._asdict()
+
         @app.post("/v1/chat/completions", response_model=None)
         async def chat_completions(req: api.ChatRequest, s: Session = Depends(session)):
             task = asyncio.current_task()
@@ -282,12 +308,21 @@ class Gateway:
         return app
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Serve on this event loop; returns the base URL (`.../v1` is the OpenAI base URL)."""
+        """Serve on this event loop, over TCP and a Unix socket in a private folder (what a jailed agent command
+        reaches); returns the base URL (`.../v1` is the OpenAI base URL)."""
+        import tempfile
+
         import uvicorn
 
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        folder = tempfile.mkdtemp(prefix="agentrl-gateway-")
+        os.chmod(folder, 0o711)  # a jailed command runs as another uid: it may pass, not list
+        self.socket_path = os.path.join(folder, "gateway.sock")
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind(self.socket_path)
+        os.chmod(self.socket_path, 0o666)  # the key, not the file mode, is what guards an episode
         config = uvicorn.Config(
             _BodyLimit(self.app(), self.max_body_bytes),
             log_level="warning",
@@ -296,7 +331,7 @@ class Gateway:
             timeout_keep_alive=60,
         )
         self._server = uvicorn.Server(config)
-        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._serving = asyncio.ensure_future(self._server.serve(sockets=[sock, unix]))
         while not self._server.started:
             if self._serving.done():
                 self._serving.result()  # raises the start-up error
@@ -313,6 +348,10 @@ class Gateway:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._serving, 10)
+        if self.socket_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
+                os.rmdir(os.path.dirname(self.socket_path))
 
 
 class _BodyLimit:
