@@ -125,7 +125,8 @@ ray.init(num_cpus=1, runtime_env=ray_runtime_env(), include_dashboard=False, log
 check_envs_in_actor(load_config(None, ["+envs.train.mine={env_id: user/Mine-v0}"]))
 print("OK user/Mine-v0")
 importlib.import_module("late_envs")  # the driver knows it, the workers were never told to import it
-for override in ["+envs.val.late={env_id: user/Late-v0}", "+envs.train.sokoban.kwargs.bogus=1"]:
+for override in ["+envs.val.late={env_id: user/Late-v0}", "+envs.train.sokoban.kwargs.bogus=1",
+                 "envs.train.sokoban.agent=no_such_pkg:agent"]:
     try:
         check_envs_in_actor(load_config(None, [override]))
         print("NO ERROR")
@@ -143,12 +144,13 @@ def test_user_env_module_reaches_the_actors_and_env_faults_are_one_line(tmp_path
         [sys.executable, "-c", ACTOR_SCRIPT], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
     lines = [line for line in res.stdout.splitlines() if line.startswith(("OK", "ERROR", "NO ERROR"))]
-    assert res.returncode == 0 and len(lines) == 3, res.stdout + res.stderr
+    assert res.returncode == 0 and len(lines) == 4, res.stdout + res.stderr
     assert lines[0] == "OK user/Mine-v0"
     assert lines[1].startswith("ERROR envs.val.late: unknown env id 'user/Late-v0' in a Ray worker")
     assert "--import MOD" in lines[1]
     assert lines[2].startswith("ERROR envs.train.sokoban: agentrl/SimpleSokoban-v0(bogus=1) failed: TypeError")
     assert "'bogus'" in lines[2]
+    assert lines[3].startswith("ERROR envs.train.sokoban.agent: cannot import agent 'no_such_pkg:agent'"), lines[3]
 
 
 class FlakySokoban(SokobanEnv):

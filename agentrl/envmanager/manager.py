@@ -199,14 +199,23 @@ def check_turn_limits(cfg: Config) -> None:
                 )
 
 
-def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int]], timeout_s: float) -> str | None:
-    """Runs in a Ray worker: build and reset every env, each call within `timeout_s`; the first failure as one
-    line, or None."""
+def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int, str | None]], timeout_s: float) -> str | None:
+    """Runs in a Ray worker: import each agent program, build and reset every env, each call within `timeout_s`;
+    the first failure as one line, or None."""
     from agentrl.envs import UnknownEnvError
     from agentrl.envs.env_calls import EnvCallTimeout, call_with_timeout
     from agentrl.plugins import import_errors
 
-    for where, env_id, kwargs, seed in envs:
+    for where, env_id, kwargs, seed, agent in envs:
+        if agent is not None:  # an agent program must import where it will run, like the env
+            from agentrl.gateway.agents import UnknownAgentError, resolve_agent
+            from agentrl.gateway.commands import is_command
+
+            try:
+                if not is_command(agent):
+                    resolve_agent(agent)
+            except UnknownAgentError as err:
+                return f"{where}.agent: {err} (in a Ray worker)"
         try:
             env = call_with_timeout(_make_env, env_id, kwargs, timeout_s=timeout_s, what="building the env")
             call_with_timeout(env.reset, seed=seed, timeout_s=timeout_s, what="env.reset")
@@ -235,7 +244,7 @@ def check_envs_in_actor(cfg: Config, start_timeout_s: float = 120.0) -> None:
     from agentrl.platform import worker_env
 
     envs = [
-        (f"envs.{split}.{tag}", env.env_id, dict(env.kwargs), env.seed_start)
+        (f"envs.{split}.{tag}", env.env_id, dict(env.kwargs), env.seed_start, env.agent)
         for split, section in (("train", cfg.envs.train), ("val", cfg.envs.val))
         for tag, env in section.items()
     ]

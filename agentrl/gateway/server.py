@@ -33,7 +33,6 @@ from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.gateway import openai_api as api
 from agentrl.gateway.transcript import Transcript, template_message
-from agentrl.rollout.base import RetryableEngineError
 from agentrl.rollout.partial import generate_resumable
 from agentrl.types import GenOutput
 
@@ -181,8 +180,10 @@ class Gateway:
                 sampling,
                 f"{session.episode_id}-c{session.calls}",
             )
-        except RetryableEngineError as err:
-            raise GatewayError(503, f"no rollout engine could serve the call: {err}") from None
+        except GatewayError:
+            raise
+        except Exception as err:  # a dead or failing engine: the agent's call fails, the gateway stays up
+            raise GatewayError(503, f"no rollout engine could serve the call: {type(err).__name__}: {err}") from None
         finally:
             session.llm_s += time.perf_counter() - t0
         chat = self.chat_for(tools)
