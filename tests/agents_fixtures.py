@@ -67,3 +67,18 @@ async def silent(client, task) -> float:
 
 def not_async(client, task) -> float:
     return 1.0
+
+
+async def plain(client, task) -> None:
+    """Answers in the env's own action format: the model's text is the action."""
+    observation = task.prompt
+    while True:
+        messages = [{"role": "system", "content": task.system_prompt}, {"role": "user", "content": observation}]
+        reply = await client.chat.completions.create(model=task.model, messages=messages)
+        step = await task.step(reply.choices[0].message.content or "")
+        if step.done:
+            return None
+        observation = step.observation
+
+
+plain.expert_reply = lambda action: action

@@ -110,3 +110,23 @@ async def test_agent_commands_that_fail_or_hang_fail_their_episode(command_episo
     demos.episodes.timeout_s = 3.0
     hung = await run("hang")
     assert hung.error is not None and "timed out after 3.0s" in hung.error
+
+
+async def test_a_hanging_env_fails_the_agents_episode_at_the_step_timeout(tok):
+    import time
+
+    import tests.envs_fixtures  # noqa: F401  (registers tests/Hanging-v0)
+
+    cfg = load_config(None, ["envs.step_timeout_s=0.5"])
+    cfg.envs.train = {"hang": {"env_id": "tests/Hanging-v0", "agent": "tests.agents_fixtures:plain"}}
+    demos = AgentDemos(cfg, tok, {}, noise_seed=7)
+    await demos.start()
+    try:
+        spec = cfg.envs.train["hang"]
+        assert (await demos.episode("hang", spec, 1, 0)).metrics["success"] == 1.0  # seed 1 does not hang
+        t0 = time.perf_counter()
+        with pytest.raises(RuntimeError, match=r"timed out after 0.5s \(envs.step_timeout_s\)"):
+            await demos.episode("hang", spec, 3, 1)  # seed 3 hangs 30 s in step
+        assert time.perf_counter() - t0 < 10
+    finally:
+        await demos.aclose()

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+from agentrl.envs.env_calls import EnvCallTimeout
 from agentrl.gateway.commands import is_command, reward_from_output, run_command
 from agentrl.gateway.server import EpisodeEnded, Gateway, Session
 from agentrl.types import Episode, EpisodeSpec
@@ -116,8 +117,10 @@ class AgentEpisodes:
             await self._run(spec, ep, agent)
         except asyncio.CancelledError:
             raise
+        except EnvCallTimeout as err:  # the env (stepped by the agent) hung, not the agent
+            ep.error = f"{err} (envs.step_timeout_s)"
         except TimeoutError:
-            ep.error = ep.error or f"agent timed out after {self.timeout_s}s (gateway.agent_timeout_s)"
+            ep.error = f"agent timed out after {self.timeout_s}s (gateway.agent_timeout_s)"
         except Exception as err:  # the agent's or the env's bug: fail this episode, never the manager
             ep.error = f"agent {agent}: {type(err).__name__}: {err}"
         ep.max_model_tokens = spec.sampling.max_tokens * max(1, len(ep.turns))
