@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -147,7 +148,7 @@ async def _vllm_serve_side(model_path: str, args: argparse.Namespace) -> dict[st
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--port", str(port),
         "--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096",
-        "--served-model-name", "tiny", "--block-size", "32", "--disable-log-requests",
+        "--served-model-name", "tiny", "--block-size", "32",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
@@ -171,7 +172,8 @@ async def _vllm_serve_side(model_path: str, args: argparse.Namespace) -> dict[st
             out[str(agents)] = await _measure(play, agents, args.turns)
         return out
     finally:
-        os.killpg(proc.pid, 9)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, 9)
         proc.wait()
 
 
