@@ -14,6 +14,7 @@ the field, 400, ...).
 """
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import json
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from agentrl.tools.core import SessionStore, Tool, ToolResult
+from agentrl.tools.mcp_server import add_mcp
 
 access_log = logging.getLogger("agentrl.tools.access")
 OPEN_PATHS = frozenset({"/health"})  # liveness probes need no token; they reveal nothing but "ok"
@@ -129,6 +131,7 @@ def create_app(tools: list[Tool], token: str | None = None, limits: ServerLimits
     _add_info_routes(app, tools, sessions, limiter)
     fast_calls = _add_tool_routes(app, tools, sessions, limiter)
     _add_session_routes(app, sessions)
+    app.state.lifespans = [add_mcp(app, tools, sessions, limiter, guarded=token is not None)]
     _add_guard(app, token, limits.max_body_bytes, fast_calls)
     return app
 
@@ -138,7 +141,10 @@ def _new_app(sessions: SessionStore) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        yield
+        async with contextlib.AsyncExitStack() as stack:
+            for enter in getattr(_app.state, "lifespans", []):  # the MCP session manager's
+                await stack.enter_async_context(enter())
+            yield
         await sessions.close_all()
 
     app = FastAPI(
