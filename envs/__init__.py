@@ -44,3 +44,4 @@ register_env("agentrl/GymFrozenLakeText-v0", "agentrl.envs.gym_adapter:gym_froze
 register_env("agentrl/MathTool-v0", "agentrl.envs.math_qa:MathToolEnv")
 register_env("agentrl/LongTail-v0", "agentrl.envs.long_tail:LongTailEnv")
 register_env("agentrl/OpenEnv-v0", "agentrl.envs.remote_openenv:RemoteOpenEnv")
+register_env("agentrl/Tasks-v0", "agentrl.envs.tasks:TaskEnv")

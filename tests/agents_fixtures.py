@@ -82,3 +82,8 @@ async def plain(client, task) -> None:
 
 
 plain.expert_reply = lambda action: action
+
+
+def count_task(seed: int) -> dict:
+    """A generated task source: `generator: tests.agents_fixtures:count_task`."""
+    return {"prompt": f"What is {seed} + {seed}?", "answer": 2 * seed, "seed": seed}

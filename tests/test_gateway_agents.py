@@ -3,6 +3,8 @@ one) against a gateway where the env's expert answers in the model's place. No e
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -130,3 +132,26 @@ async def test_a_hanging_env_fails_the_agents_episode_at_the_step_timeout(tok):
         assert time.perf_counter() - t0 < 10
     finally:
         await demos.aclose()
+
+
+@pytest.mark.parametrize("source", ["path", "generator"])
+async def test_tasks_from_a_dataset_file_or_a_generator(tok, tmp_path, source):
+    from agentrl.envs.checker import check_text_env
+
+    rows = [{"prompt": f"What is {i} + {i}?", "answer": 2 * i, "id": f"q{i}"} for i in range(5)]
+    data = tmp_path / "tasks.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    kwargs = {"path": str(data)} if source == "path" else {"generator": "tests.agents_fixtures:count_task"}
+    cfg = load_config(None, [])
+    cfg.envs.train = {"qa": {"env_id": "agentrl/Tasks-v0", "agent": "tests.agents_fixtures:plain", "kwargs": kwargs}}
+    demos = AgentDemos(cfg, tok, {}, noise_seed=7)
+    await demos.start()
+    try:
+        ep = await demos.episode("qa", cfg.envs.train["qa"], 7, 0)
+    finally:
+        await demos.aclose()
+    expected = rows[7 % 5] if source == "path" else {"prompt": "What is 7 + 7?", "answer": 14, "seed": 7}
+    assert ep.task == expected and ep.messages[1]["content"] == expected["prompt"]
+    assert ep.metrics["success"] == 1.0 and ep.final_answer == f"<answer>{expected['answer']}</answer>"
+    report = check_text_env("agentrl/Tasks-v0", kwargs, episodes=5, seed=0, timeout_s=10)
+    assert report["ok"] and report["expert"]["success_rate"] == 1.0, report["violations"]
