@@ -44,6 +44,12 @@ def registered_env_ids() -> list[str]:
 
 
 def env_spec(env_id: str) -> EnvSpec:
+    from agentrl.envs.libraries import register_library_of
+
+    if env_id not in gym.registry and register_library_of(env_id) and env_id not in gym.registry:
+        prefix = env_id.partition("/")[0]
+        known = ", ".join(i.partition("/")[2] for i in gym.registry if i.startswith(prefix + "/"))
+        raise UnknownEnvError(f"unknown env id {env_id!r}; {prefix} has: {known}")
     try:
         return gym.registry[env_id]
     except KeyError:

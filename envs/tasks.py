@@ -25,6 +25,8 @@ from agentrl.reward.builtins import extract_answer, normalise_text, parse_number
 
 
 class TaskEnv(TextEnv):
+    """One-turn tasks: `path` (JSONL) or `generator` (module:fn); subclasses give `tasks(seed) -> dict` and `score`."""
+
     def __init__(
         self,
         path: str | None = None,
@@ -34,31 +36,38 @@ class TaskEnv(TextEnv):
         **text_kwargs: Any,
     ) -> None:
         super().__init__(**{"max_steps": 2, **text_kwargs})  # an unparsable answer gets one more try
-        if (path is None) == (generator is None):
-            raise ValueError("give exactly one of path (a JSONL file of tasks) and generator (module:function)")
         self.rows: list[dict[str, Any]] = []
-        self.generate = None
-        if path is not None:
-            lines = Path(path).expanduser().read_text().splitlines()
-            self.rows = [json.loads(line) for line in lines if line.strip()]
-            if not self.rows:
-                raise ValueError(f"no tasks in {path}")
-        else:
-            module, _, name = str(generator).partition(":")
-            self.generate = getattr(importlib.import_module(module), name)
+        self.generate: Any = None
+        if type(self) is TaskEnv or path is not None or generator is not None:
+            if (path is None) == (generator is None):
+                raise ValueError("give exactly one of path (a JSONL file of tasks) and generator (module:function)")
+            if path is not None:
+                lines = Path(path).expanduser().read_text().splitlines()
+                self.rows = [json.loads(line) for line in lines if line.strip()]
+                if not self.rows:
+                    raise ValueError(f"no tasks in {path}")
+            else:
+                module, _, name = str(generator).partition(":")
+                self.generate = getattr(importlib.import_module(module), name)
         self.prompt_key = prompt_key
         self._system = system_prompt or f"Answer the question. Give the final answer as {self.parser.format(['...'])}"
         self.task: dict[str, Any] = {}
+        self.score = 0.0
+
+    def tasks(self, seed: int) -> dict[str, Any]:
+        """Task `seed`: a row of the file (cycling) or what the generator makes."""
+        return self.generate(seed) if self.generate is not None else self.rows[seed % len(self.rows)]
 
     def system_prompt(self) -> str:
         return self._system
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
-        task = self.generate(seed) if self.generate is not None else self.rows[seed % len(self.rows)]
+        task = self.tasks(seed)
         if not isinstance(task, dict) or not isinstance(task.get(self.prompt_key), str):
             raise ValueError(f"task {seed} has no string {self.prompt_key!r}: {str(task)[:200]}")
         self.task = dict(task)
         self.answer: str | None = None
+        self.score = 0.0
 
     @property
     def truth(self) -> str | None:
@@ -82,15 +91,20 @@ class TaskEnv(TextEnv):
 
     def _apply(self, action: str) -> Move:
         self.answer = action
-        return Move(1.0 if self._is_success() else 0.0, True, True)
+        self.score = self.score_answer(action)
+        return Move(self.score, True, True)
+
+    def score_answer(self, answer: str) -> float:
+        """1 when `answer` matches the task's answer (as numbers when both are, else as normalised text), else 0."""
+        if self.truth is None:
+            return 0.0
+        got, want = parse_number(answer), parse_number(self.truth)
+        if got is not None and want is not None:
+            return float(math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9))
+        return float(normalise_text(answer) == normalise_text(self.truth))
 
     def _is_success(self) -> bool:
-        if self.answer is None or self.truth is None:
-            return False
-        got, want = parse_number(self.answer), parse_number(self.truth)
-        if got is not None and want is not None:
-            return math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-9)
-        return normalise_text(self.answer) == normalise_text(self.truth)
+        return self.answer is not None and self.score >= 1.0
 
     def _expert_move(self) -> str | None:
         return self.truth

@@ -66,7 +66,9 @@ def parse_kwargs(items: list[str]) -> dict[str, Any]:
 
 def _list(args: argparse.Namespace) -> int:
     from agentrl.envs import env_kwargs, registered_env_ids
+    from agentrl.envs.libraries import library_env_ids
 
+    library_env_ids()  # the installed libraries' envs too (reasoning_gym/..., registered on demand elsewhere)
     table = {env_id: env_kwargs(env_id) for env_id in registered_env_ids()}
     if args.json:
         print(json.dumps(table, indent=2, default=repr))
@@ -80,6 +82,7 @@ def _list(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from agentrl.envs import UnknownEnvError, env_kwargs
     from agentrl.envs.checker import check_text_env
+    from agentrl.envs.libraries import MissingLibraryError
 
     kwargs = parse_kwargs(args.kwargs)
     if args.env_id.startswith(REMOTE_SCHEMES):  # a server: check it through the OpenEnv adapter
@@ -93,7 +96,7 @@ def _check(args: argparse.Namespace) -> int:
         if unknown and "**kwargs" not in known:
             raise UsageError(f"{args.env_id} has no kwarg(s) {unknown}; it accepts: {', '.join(known)}")
         report = check_text_env(args.env_id, kwargs, episodes=args.episodes, seed=args.seed, timeout_s=args.timeout_s)
-    except UnknownEnvError as err:
+    except (UnknownEnvError, MissingLibraryError) as err:
         raise UsageError(str(err)) from None
     except (TypeError, ValueError) as err:  # raised while building the env: bad kwargs or values
         raise UsageError(f"cannot build {args.env_id} with {kwargs}: {err}") from None

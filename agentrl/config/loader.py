@@ -247,12 +247,15 @@ def _yaml_error(path: Path, err: yaml.YAMLError) -> str:
 def check_env_ids(cfg: Config) -> None:
     """Every configured env id is registered (user modules are imported before the config is loaded)."""
     from agentrl.envs import UnknownEnvError, registered_env_ids
+    from agentrl.envs.libraries import MissingLibraryError
     from agentrl.envs.registry import env_spec
 
     for split, envs in (("train", cfg.envs.train), ("val", cfg.envs.val)):
         for tag, env in envs.items():
             try:
                 env_spec(env.env_id)
+            except MissingLibraryError as err:
+                raise ConfigError(f"envs.{split}.{tag}.env_id: {err}") from None
             except UnknownEnvError:
                 raise ConfigError(
                     f"envs.{split}.{tag}.env_id: unknown env id {env.env_id!r} (registered: "

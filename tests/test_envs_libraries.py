@@ -1,0 +1,64 @@
+"""Env libraries as env ids under a prefix, against the real libraries: reasoning-gym's task families, registered on
+first use, scored by the library's own `score_answer`; a library that is not installed is a one-line error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import agentrl
+from agentrl.config import ConfigError, load_config
+from agentrl.config.loader import check_env_ids
+from agentrl.envs import libraries
+from agentrl.envs.checker import check_text_env
+
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = ["basic_arithmetic", "chain_sum", "leg_counting", "word_sorting", "letter_counting", "number_sorting",
+            "simple_equations", "base_conversion", "spell_backward", "caesar_cipher"]  # fmt: skip
+
+
+def test_a_reasoning_gym_family_is_an_env_scored_by_the_library():
+    env = agentrl.make_env("reasoning_gym/basic_arithmetic", config={"min_terms": 2, "max_terms": 2})
+    obs, info = env.reset(seed=5)
+    again, _ = agentrl.make_env("reasoning_gym/basic_arithmetic", config={"min_terms": 2, "max_terms": 2}).reset(seed=5)
+    assert obs == again and info["task"]["question"] == obs  # task seed -> the same item, in any process
+    answer = info["task"]["answer"]
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("basic_arithmetic", seed=0, size=1_000_000, min_terms=2, max_terms=2)[5]
+    assert entry["question"] == obs and entry["answer"] == answer  # what the library itself makes for item 5
+    _, reward, terminated, _, info = env.step(f"Let me think. \\boxed{{{answer}}}")
+    assert terminated and reward == 1.0 and info["metrics"]["success"] == 1.0
+    env.reset(seed=5)
+    _, reward, terminated, _, info = env.step("<answer>not a number</answer>")
+    assert terminated and reward < 1.0 and info["metrics"]["success"] == 0.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_check_env_passes_reasoning_gym_families(family):
+    report = check_text_env(f"reasoning_gym/{family}", {}, episodes=8, seed=0, timeout_s=30)
+    assert report["ok"] and report["expert"]["success_rate"] == 1.0, report["violations"]
+
+
+def test_unknown_family_and_missing_library_are_one_line_errors(monkeypatch):
+    with pytest.raises(agentrl.envs.UnknownEnvError, match=r"reasoning_gym has: .*basic_arithmetic"):
+        agentrl.make_env("reasoning_gym/no_such_family")
+    monkeypatch.setitem(libraries.LIBRARIES, "nolib", ("agentrl_no_such_library", "no-such-library", "x"))
+    with pytest.raises(libraries.MissingLibraryError, match=r"pip install 'agentrl\[envlibs\]'"):
+        agentrl.make_env("nolib/Game-v0")
+    cfg = load_config(None, [])
+    cfg.envs.train = {"x": {"env_id": "nolib/Game-v0"}}
+    with pytest.raises(ConfigError, match=r"envs.train.x.env_id: nolib/Game-v0 needs the no-such-library library"):
+        check_env_ids(cfg)
+
+
+def test_envs_lists_the_installed_libraries():
+    out = subprocess.run([sys.executable, "-m", "agentrl", "envs", "--json"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    table = json.loads(out.stdout)
+    families = [i for i in table if i.startswith("reasoning_gym/")]
+    assert len(families) >= 100 and table["reasoning_gym/basic_arithmetic"]["task"] == "basic_arithmetic"
