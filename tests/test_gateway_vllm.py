@@ -42,6 +42,7 @@ async def gateway(vllm_fleet, tiny_model_path):
     await gw.start()
     yield gw
     await gw.stop()
+    await engines.close()
 
 
 def _client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
