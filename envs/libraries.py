@@ -12,6 +12,7 @@ import importlib.util
 # prefix -> (the library's import name, its pip name, the module whose register() adds its ids)
 LIBRARIES: dict[str, tuple[str, str, str]] = {
     "reasoning_gym": ("reasoning_gym", "reasoning-gym", "agentrl.envs.reasoning_gym_env"),
+    "textarena": ("textarena", "textarena", "agentrl.envs.textarena_env"),
 }
 EXTRA = "envlibs"
 _done: set[str] = set()

@@ -4,6 +4,7 @@ first use, scored by the library's own `score_answer`; a library that is not ins
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,36 @@ def test_envs_lists_the_installed_libraries():
     table = json.loads(out.stdout)
     families = [i for i in table if i.startswith("reasoning_gym/")]
     assert len(families) >= 100 and table["reasoning_gym/basic_arithmetic"]["task"] == "basic_arithmetic"
+
+
+GAMES = ["TicTacToe-v0", "ConnectFour-v0", "Nim-v0", "GuessTheNumber-v0", "Mastermind-v0"]
+
+
+def test_a_textarena_game_against_a_random_opponent():
+    env = agentrl.make_env("textarena/TicTacToe-v0")
+    obs, _ = env.reset(seed=3)
+    assert "Tic Tac Toe" in obs and "Available Moves" in obs
+    assert agentrl.make_env("textarena/TicTacToe-v0").reset(seed=3)[0] == obs
+    rewards = []
+    for seed in range(6):
+        obs, _ = env.reset(seed=seed)
+        rng = random.Random(seed)
+        for _ in range(9):
+            obs, reward, terminated, truncated, info = env.step(env.random_action(rng))
+            if terminated or truncated:
+                break
+        assert terminated and info["metrics"]["win"] + info["metrics"]["draw"] + info["metrics"]["loss"] == 1.0
+        rewards.append(reward)
+    assert set(rewards) <= {-1.0, 0.0, 1.0} and len(set(rewards)) > 1  # the game's own results, not all alike
+    env.reset(seed=0)
+    obs, reward, terminated, _, info = env.step("I am not sure")  # TextArena's own invalid-move rule: one retry
+    assert not terminated and info["metrics"]["action_is_valid"] == 0.0 and "invalid move" in obs.lower()
+    _, reward, terminated, _, info = env.step("still not sure")
+    assert terminated and reward == -1.0 and info["metrics"]["invalid_move"] == 1.0
+
+
+@pytest.mark.parametrize("game", GAMES)
+def test_check_env_passes_textarena_games_with_warnings_for_agentrl_only_rules(game):
+    report = check_text_env(f"textarena/{game}", {}, episodes=6, seed=0, timeout_s=30)
+    assert report["ok"], report["violations"]
+    assert any("unparsable_is_noop" in w for w in report["warnings"])  # reported, not failed

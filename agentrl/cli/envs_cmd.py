@@ -104,6 +104,8 @@ def _check(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2, default=repr))
     else:
         _print_report(report)
+    for problem in report.get("warnings", []):
+        print(f"agentrl check-env: warning {args.env_id}: {problem}", file=sys.stderr)
     for problem in report["violations"]:
         print(f"agentrl check-env: FAIL {args.env_id}: {problem}", file=sys.stderr)
     return 0 if report["ok"] else 1

@@ -1,0 +1,173 @@
+"""`textarena/<game>`: TextArena's games as text envs, the policy in one seat against a fixed opponent.
+
+The game's own text is the observation (TextArena's log for the policy's seat: the rules, the board, the moves so
+far; `observation: new` gives only what is new since the policy's last turn, for trajectory-wise samples), the
+model's text is the move as TextArena reads it (e.g. `[4]`), and the game's own result is the reward at the end
+(+1 win, 0 draw, -1 loss in two-player games; the game's score in one-player ones), TextArena's invalid-move rules
+included. The opponent plays its turns inside `step`: `random` plays a random move in the game's format (one
+TextArena lists as available, where it lists them), or `module:function` takes `(observation, rng)` and returns a
+move. Metrics: success (a positive result), win / draw / loss, and invalid_move for the policy.
+
+Two-player self-play (both seats by the policy) is not here yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+from agentrl.envs.base import Move, TextEnv
+
+PREFIX = "textarena/"
+_AVAILABLE = re.compile(r"Available Moves: (.*)")
+_MOVE = re.compile(r"'(\[[^\]]*\])'")
+
+
+_PILE = re.compile(r"pile (\d+): (\d+)")
+
+
+def _random_nim(observation: str, rng: random.Random) -> str:
+    piles = [(int(i), int(n)) for i, n in _PILE.findall(observation.rsplit("Current Pile", 1)[-1]) if int(n) > 0]
+    pile, size = rng.choice(piles) if piles else (0, 1)
+    return f"[{pile} {rng.randint(1, size)}]"
+
+
+# Random moves in each game's own move format (the games that list their available moves need no entry).
+RANDOM_MOVES: dict[str, Callable[[str, random.Random], str]] = {
+    "ConnectFour-v0": lambda obs, rng: f"[col {rng.randint(0, 6)}]",
+    "Nim-v0": _random_nim,
+    "GuessTheNumber-v0": lambda obs, rng: f"[{rng.randint(1, 20)}]",
+    "Mastermind-v0": lambda obs, rng: "[" + " ".join(map(str, rng.sample(range(1, 7), 4))) + "]",
+}
+
+
+def random_move(game: str, observation: str, rng: random.Random) -> str:
+    """A random move of `game`: one of those TextArena lists as available, else one in the game's move format."""
+    lists = _AVAILABLE.findall(observation)
+    moves = _MOVE.findall(lists[-1]) if lists else []
+    if moves:
+        return rng.choice(moves)
+    return RANDOM_MOVES[game](observation, rng) if game in RANDOM_MOVES else "[0]"
+
+
+class TextArenaEnv(TextEnv):
+    contract = frozenset()  # TextArena logs an invalid move and judges it by its own rules
+
+    def __init__(
+        self,
+        game: str,
+        opponent: str = "random",
+        seat: int = 0,
+        num_players: int = 2,
+        observation: str = "full",
+        max_steps: int = 30,
+        **text_kwargs: Any,
+    ) -> None:
+        super().__init__(max_steps=max_steps, **text_kwargs)
+        import textarena
+
+        if observation not in ("full", "new"):
+            raise ValueError(f"observation must be 'full' or 'new', not {observation!r}")
+        if not 0 <= seat < num_players:
+            raise ValueError(f"seat {seat} is not one of the {num_players} players")
+        self.textarena, self.game, self.seat, self.num_players = textarena, game, seat, num_players
+        self.full = observation == "full"
+        self.opponent = self._opponent(opponent)
+        self._result: dict[str, float] = {}
+
+    def _opponent(self, spec: str) -> Callable[[str, random.Random], str]:
+        if spec == "random":
+            return lambda observation, rng: random_move(self.game, observation, rng)
+        module, sep, name = spec.partition(":")
+        if not sep:
+            raise ValueError(f"opponent must be 'random' or module:function, not {spec!r}")
+        return getattr(importlib.import_module(module), name)
+
+    def system_prompt(self) -> str:
+        return "You are playing a game. Reply with your move exactly as the game asks for it."
+
+    def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
+        self.env = self.textarena.make(self.game)
+        self.env.reset(num_players=self.num_players, seed=seed)
+        self.rng = random.Random(seed)
+        self._result, self._shown, self._text = {}, 0, ""
+        self._play_others()
+
+    def _play_others(self) -> bool:
+        """Opponents move until it is the policy's turn or the game is over; True when it is over."""
+        while True:
+            player, text = self.env.get_observation()
+            if player == self.seat:
+                self._text = text
+                return False
+            done, _ = self.env.step(self.opponent(text, self.rng))
+            if done:
+                return self._finish()
+
+    def _finish(self) -> bool:
+        rewards, info = self.env.close()
+        mine = float(rewards.get(self.seat, 0.0)) if rewards else 0.0
+        invalid = bool((info or {}).get(self.seat, {}).get("invalid_move", False))
+        self._result = {"reward": mine, "win": float(mine > 0), "draw": float(mine == 0), "loss": float(mine < 0),
+                        "invalid_move": float(invalid)}  # fmt: skip
+        return True
+
+    def _observation(self) -> str:
+        if self._result:
+            return f"Game over: {'won' if self._result['win'] else 'draw' if self._result['draw'] else 'lost'}."
+        text = self._text if self.full else self._text[self._shown :]
+        self._shown = len(self._text)
+        return text
+
+    def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        """The model's text goes to the game as is (TextArena parses and judges moves itself)."""
+        if not isinstance(action, str):
+            raise TypeError(f"{type(self).__name__}.step expects model output text, got {type(action).__name__}")
+        before = len(self._text)
+        done, _ = self.env.step(action)
+        over = self._finish() if done else self._play_others()
+        self.turns += 1
+        truncated = not over and self.turns >= self.max_steps
+        reward = self._result.get("reward", 0.0)
+        # TextArena judges the move: an invalid one is announced in the log (and gets a retry, or ends the game)
+        valid = not over and "invalid move" not in self._text[before:].lower()
+        metrics = {"success": float(self._result.get("win", 0.0)), "action_is_valid": float(valid)}
+        if over:
+            metrics.update({k: v for k, v in self._result.items() if k != "reward"})
+            metrics["action_is_valid"] = 1.0 - self._result["invalid_move"]
+        metrics["action_is_effective"] = metrics["action_is_valid"]
+        return self._observation(), reward, over, truncated, {"metrics": metrics, "task": {"game": self.game}}
+
+    # the base class's hooks, unused: this env hands the text to the game itself
+    def _canonical_action(self, text: str) -> str | None:
+        return text
+
+    def _apply(self, action: str) -> Move:
+        raise NotImplementedError
+
+    def _is_success(self) -> bool:
+        return bool(self._result.get("win"))
+
+    def _random_move(self, rng: random.Random) -> str:
+        return random_move(self.game, self._text, rng)
+
+    def random_action(self, rng: random.Random) -> str:
+        return random_move(self.game, self._text, rng)
+
+
+# game -> players: the games checked to run offline here (Wordle and Hangman fetch nltk data at reset)
+GAMES = {"TicTacToe-v0": 2, "ConnectFour-v0": 2, "Nim-v0": 2, "GuessTheNumber-v0": 1, "Mastermind-v0": 1}
+
+
+def register() -> list[str]:
+    """Register `textarena/<game>` for TextArena's games that run offline here (Wordle and Hangman fetch nltk data)."""
+    from agentrl.envs.registry import register_env
+
+    ids = []
+    for game, players in GAMES.items():
+        register_env(f"{PREFIX}{game}", f"{__name__}:TextArenaEnv", game=game, num_players=players)
+        ids.append(f"{PREFIX}{game}")
+    return ids
