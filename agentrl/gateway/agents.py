@@ -190,7 +190,10 @@ class AgentEpisodes:
             _tool=call_tool,
         )
         session.step = step
-        session.task = {k: v for k, v in asdict(task).items() if not k.startswith("_") and k != "api_key"}
+        # what a command gets as AGENTRL_TASK: its own OPENAI_BASE_URL / OPENAI_API_KEY tell it where and who it is
+        session.task = {
+            k: v for k, v in asdict(task).items() if not k.startswith("_") and k not in ("api_key", "base_url")
+        }
         result: Any = None
         try:
             if fn is None:
