@@ -13,7 +13,9 @@ Two-player self-play (both seats by the policy) is not here yet.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import random
 import re
 from collections.abc import Callable
@@ -67,7 +69,8 @@ class TextArenaEnv(TextEnv):
         **text_kwargs: Any,
     ) -> None:
         super().__init__(max_steps=max_steps, **text_kwargs)
-        import textarena
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            import textarena  # its games try nltk downloads on import: offline, their noise is not ours to print
 
         if observation not in ("full", "new"):
             raise ValueError(f"observation must be 'full' or 'new', not {observation!r}")
@@ -77,6 +80,24 @@ class TextArenaEnv(TextEnv):
         self.full = observation == "full"
         self.opponent = self._opponent(opponent)
         self._result: dict[str, float] = {}
+        self.env = self._make()  # at construction: a game that needs data from the network says so before any run
+
+    def _make(self) -> Any:
+        """A fresh game; data it cannot fetch (nltk corpora, offline) is one line naming what to download."""
+        quiet = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # nltk's download attempts
+                return self.textarena.make(self.game)
+        except LookupError as err:
+            found = re.search(r"Resource '?([\w.-]+)'? not found", str(err))
+            resource = found.group(1) if found else "its data"
+            import nltk
+
+            raise ValueError(
+                f"textarena/{self.game} needs the nltk data {resource!r}, which it could not download here: run "
+                f"`python -m nltk.downloader {resource}` where there is network and copy it into one of "
+                f"{', '.join(nltk.data.path[:3])} (or set NLTK_DATA)"
+            ) from None
 
     def _opponent(self, spec: str) -> Callable[[str, random.Random], str]:
         if spec == "random":
@@ -90,7 +111,7 @@ class TextArenaEnv(TextEnv):
         return "You are playing a game. Reply with your move exactly as the game asks for it."
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
-        self.env = self.textarena.make(self.game)
+        self.env = self._make()
         self.env.reset(num_players=self.num_players, seed=seed)
         self.rng = random.Random(seed)
         self._result, self._shown, self._text = {}, 0, ""
@@ -158,8 +179,10 @@ class TextArenaEnv(TextEnv):
         return random_move(self.game, self._text, rng)
 
 
-# game -> players: the games checked to run offline here (Wordle and Hangman fetch nltk data at reset)
-GAMES = {"TicTacToe-v0": 2, "ConnectFour-v0": 2, "Nim-v0": 2, "GuessTheNumber-v0": 1, "Mastermind-v0": 1}
+# game -> players. Wordle and Hangman need nltk corpora that TextArena downloads on first use: offline, building
+# them is a one-line error naming the data.
+GAMES = {"TicTacToe-v0": 2, "ConnectFour-v0": 2, "Nim-v0": 2, "GuessTheNumber-v0": 1, "Mastermind-v0": 1,
+         "Wordle-v0": 1, "Hangman-v0": 1}  # fmt: skip
 
 
 def register() -> list[str]:

@@ -96,3 +96,12 @@ def test_check_env_passes_textarena_games_with_warnings_for_agentrl_only_rules(g
     report = check_text_env(f"textarena/{game}", {}, episodes=6, seed=0, timeout_s=30)
     assert report["ok"], report["violations"]
     assert any("unparsable_is_noop" in w for w in report["warnings"])  # reported, not failed
+
+
+def test_a_game_that_needs_network_data_is_a_one_line_error_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))  # an empty data folder: the corpus is not there, nor fetchable
+    out = subprocess.run([sys.executable, "-m", "agentrl", "check-env", "textarena/Wordle-v0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "needs the nltk data 'words'" in lines[0] and "python -m nltk.downloader words" in lines[0]
