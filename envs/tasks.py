@@ -13,6 +13,7 @@ else as normalised text. The first answer ends the episode; an unparsable one ge
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import math
@@ -76,12 +77,12 @@ class TaskEnv(TextEnv):
 
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict]:
         obs, info = super().reset(seed=seed, options=options)
-        return obs, {**info, "task": dict(self.task)}
+        return obs, {**info, "task": copy.deepcopy(self.task)}  # callers keep infos: never share one
 
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         answer = extract_answer(action) if isinstance(action, str) else None  # \boxed{} counts as well
         obs, reward, terminated, truncated, info = super().step(self.parser.format([answer]) if answer else action)
-        return obs, reward, terminated, truncated, {**info, "task": dict(self.task)}
+        return obs, reward, terminated, truncated, {**info, "task": copy.deepcopy(self.task)}
 
     def _observation(self) -> str:
         return str(self.task[self.prompt_key]) if self.answer is None else f"Your answer: {self.answer}"

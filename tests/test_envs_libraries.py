@@ -105,3 +105,32 @@ def test_a_game_that_needs_network_data_is_a_one_line_error_at_construction(tmp_
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr
     assert "needs the nltk data 'words'" in lines[0] and "python -m nltk.downloader words" in lines[0]
+
+
+GSM8K_ROWS = [
+    {"prompt": [{"role": "system", "content": "Solve it. End with #### ANSWER."},
+                {"role": "user", "content": "Tom has 3 apples and buys 4. How many?"}],
+     "reward_spec": {"ground_truth": "7"}, "extra_info": {}},
+    {"prompt": [{"role": "user", "content": "What is 6 times 7?"}], "reward_spec": {"ground_truth": "42"},
+     "extra_info": {}},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("env_name", ["gsm8k", "gsm8k_multi_turn"])
+def test_skyrl_gym_envs_on_a_dataset_scored_by_the_library(tmp_path, env_name):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in GSM8K_ROWS))
+    kwargs = {"path": str(data), "expert_format": "#### {}"}
+    env = agentrl.make_env(f"skyrl_gym/{env_name}", **kwargs)
+    obs, info = env.reset(seed=0)
+    assert obs == "Tom has 3 apples and buys 4. How many?" and env.system_prompt().startswith("Solve it.")
+    assert info["task"]["reward_spec"] == {"ground_truth": "7"}
+    _, reward, terminated, _, _ = env.step("4 + 3 = 7\n#### 7")
+    assert reward == 1.0 and terminated  # skyrl-gym's own compute_score
+    env.reset(seed=1)
+    _, reward, _, _, _ = env.step("#### 41")
+    assert reward < 1.0
+    report = check_text_env(f"skyrl_gym/{env_name}", kwargs, episodes=4, seed=0, timeout_s=30)
+    assert report["ok"] and report["expert"]["success_rate"] == 1.0, report["violations"]
+    with pytest.raises(ValueError, match="takes its tasks from a dataset"):
+        agentrl.make_env(f"skyrl_gym/{env_name}")
