@@ -189,7 +189,7 @@ def check_turn_limits(cfg: Config) -> None:
 
     for split, envs in (("train", cfg.envs.train), ("val", cfg.envs.val)):
         for tag, env in envs.items():
-            if env.max_turns is None or env.tools:
+            if env.max_turns is None or env.tools or env.agent:  # an agent's calls need not step the env
                 continue
             max_steps = env.kwargs.get("max_steps", env_kwargs(env.env_id).get("max_steps"))
             if isinstance(max_steps, int) and env.max_turns > max_steps:
