@@ -26,6 +26,16 @@ logger = logging.getLogger(__name__)
 import_errors: list[str] = []
 
 
+def import_object(ref: str) -> object:
+    """`package.module:name` -> that object: the one way user code named in config (tools, rewards, agents, task
+    generators, opponents) is loaded. ValueError for a ref without both parts; ImportError / AttributeError as
+    Python raises them, for the caller to word."""
+    module_name, sep, attr = ref.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{ref!r} must look like module:function")
+    return getattr(importlib.import_module(module_name), attr)
+
+
 class UserImportError(ImportError):
     """A user module that cannot be imported; the message names the module (`--import NAME: error`)."""
 

@@ -14,7 +14,6 @@ else as normalised text. The first answer ends the episode; an unparsable one ge
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import math
 import random
@@ -22,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.envs.base import Move, TextEnv
+from agentrl.plugins import import_object
 from agentrl.reward.builtins import extract_answer, normalise_text, parse_number
 
 
@@ -48,8 +48,7 @@ class TaskEnv(TextEnv):
                 if not self.rows:
                     raise ValueError(f"no tasks in {path}")
             else:
-                module, _, name = str(generator).partition(":")
-                self.generate = getattr(importlib.import_module(module), name)
+                self.generate = import_object(str(generator))
         self.prompt_key = prompt_key
         self._system = system_prompt or f"Answer the question. Give the final answer as {self.parser.format(['...'])}"
         self.task: dict[str, Any] = {}

@@ -14,7 +14,6 @@ Two-player self-play (both seats by the policy) is not here yet.
 from __future__ import annotations
 
 import contextlib
-import importlib
 import io
 import random
 import re
@@ -22,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.envs.base import Move, TextEnv
+from agentrl.plugins import import_object
 
 PREFIX = "textarena/"
 _AVAILABLE = re.compile(r"Available Moves: (.*)")
@@ -102,10 +102,9 @@ class TextArenaEnv(TextEnv):
     def _opponent(self, spec: str) -> Callable[[str, random.Random], str]:
         if spec == "random":
             return lambda observation, rng: random_move(self.game, observation, rng)
-        module, sep, name = spec.partition(":")
-        if not sep:
+        if ":" not in spec:
             raise ValueError(f"opponent must be 'random' or module:function, not {spec!r}")
-        return getattr(importlib.import_module(module), name)
+        return import_object(spec)
 
     def system_prompt(self) -> str:
         return "You are playing a game. Reply with your move exactly as the game asks for it."

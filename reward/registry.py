@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import inspect
 import math
 from collections.abc import Callable
 from concurrent.futures import Executor
 from typing import Any
 
+from agentrl.plugins import import_object
 from agentrl.reward.types import FnOutput, RewardContext
 from agentrl.types import Episode
 
@@ -55,10 +55,9 @@ def _load_builtins() -> None:
 def resolve(name: str) -> RewardFn:
     """A registered name, or `package.module:function` (imported; registering is then optional)."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
+            fn = import_object(name)
+        except (ImportError, AttributeError, ValueError) as err:
             raise UnknownRewardError(f"cannot import reward {name!r}: {err}") from None
         if not callable(fn):
             raise UnknownRewardError(f"reward {name!r} is not callable")

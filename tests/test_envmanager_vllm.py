@@ -4,18 +4,16 @@ EnvManager Ray actor, and partial rollout (a weight update preempts a turn, whic
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import pytest
 import ray
-import torch
-from safetensors.torch import load_file, save_file
 
 from agentrl.config import load_config
 from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.manager import EnvManager
 from agentrl.types import EpisodeSpec
+from tests.engines import nudged_weights, tokens_streaming
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +63,11 @@ async def test_weight_update_mid_turn_resumes_with_both_versions(manager, vllm_f
         assert time.monotonic() < deadline and not task.done(), "the episode's first turn never finished"
         await asyncio.sleep(0.02)
 
-    async def streaming() -> int:
-        return sum(s["tokens_streaming"] for s in await asyncio.gather(*(e.stats.remote() for e in engines)))
-
     # ...and the second turn has reached an engine and is generating: a loaded machine may take a while to send it
-    while await streaming() == 0:
+    while await tokens_streaming(engines) == 0:
         assert time.monotonic() < deadline and not task.done(), "the second turn never started"
         await asyncio.sleep(0.02)
-    new_dir = tmp_path / "w"
-    shutil.copytree(tiny_model_path, new_dir)
-    weights = load_file(f"{new_dir}/model.safetensors")
-    save_file({k: v + 0.001 * torch.ones_like(v) for k, v in weights.items()}, f"{new_dir}/model.safetensors")
-    await router.update_weights.remote(str(new_dir), version + 1)
+    await router.update_weights.remote(nudged_weights(tiny_model_path, tmp_path / "w"), version + 1)
     ep = await asyncio.wait_for(task, 300)
     assert ep["error"] is None
     versions = [v for v, m in zip(ep["versions"], ep["loss_mask"], strict=True) if m]

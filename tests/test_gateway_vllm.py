@@ -6,14 +6,11 @@ metrics, and agents that crash, hang or never call the model failing only their 
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
 
 import openai
 import pytest
 import ray
-import torch
-from safetensors.torch import load_file, save_file
 from transformers import AutoTokenizer
 
 from agentrl.config import load_config
@@ -21,6 +18,7 @@ from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.manager import EnvManager
 from agentrl.gateway.server import Gateway
 from agentrl.rollout.engine_client import EngineClient
+from tests.engines import nudged_weights, tokens_streaming
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")  # the gateway serves on the session's loop
 
@@ -109,18 +107,11 @@ async def test_a_weight_update_mid_call_resumes_with_both_versions(gateway, vllm
         _client(gateway, s.key).chat.completions.create(model="agentrl", messages=[{"role": "user", "content": "go"}])
     )
 
-    async def streaming() -> int:
-        return sum(st["tokens_streaming"] for st in await asyncio.gather(*(e.stats.remote() for e in engines)))
-
     deadline = time.monotonic() + 120
-    while await streaming() == 0:  # the call is generating: update the weights under it
+    while await tokens_streaming(engines) == 0:  # the call is generating: update the weights under it
         assert time.monotonic() < deadline and not call.done(), "the call never reached an engine"
         await asyncio.sleep(0.02)
-    new_dir = tmp_path / "w"
-    shutil.copytree(tiny_model_path, new_dir)
-    weights = load_file(f"{new_dir}/model.safetensors")
-    save_file({k: v + 0.001 * torch.ones_like(v) for k, v in weights.items()}, f"{new_dir}/model.safetensors")
-    await router.update_weights.remote(str(new_dir), version + 1)
+    await router.update_weights.remote(nudged_weights(tiny_model_path, tmp_path / "w"), version + 1)
     reply = await asyncio.wait_for(call, 300)
     (turn,) = s.transcript.turns
     assert reply.usage.completion_tokens == 300 == len(turn.token_ids)  # one completion for the agent

@@ -9,7 +9,6 @@ timeouts, unknown tools and bad arguments become `ok=False` with a message for t
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from typing import Any
@@ -18,6 +17,7 @@ import httpx
 from pydantic import ValidationError
 
 from agentrl.config.schema import ToolsConfig
+from agentrl.plugins import import_object
 from agentrl.tools.client import ToolClient, ToolServerError, token_from_env
 from agentrl.tools.core import SessionStore, Tool, ToolResult, format_validation_error, to_content
 
@@ -27,11 +27,10 @@ REMOTE_GRACE_S = 1.0  # extra client-side wait so a server can report its own ti
 
 def load_python_tool(path: str, name: str | None = None, timeout_s: float | None = None) -> Tool:
     """`module:function` (a plain function or a `Tool`) -> Tool, named `name` when given."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"python tool {path!r} must look like module:function")
     try:
-        obj = getattr(importlib.import_module(module_name), attr)
+        obj = import_object(path)
+    except ValueError:
+        raise ValueError(f"python tool {path!r} must look like module:function") from None
     except (ImportError, AttributeError) as err:
         raise ValueError(f"cannot load tool {path!r}: {err}") from None
     if isinstance(obj, Tool):

@@ -14,7 +14,6 @@ limit (the gateway answered 400) is a truncated episode, scored by its env's ret
 from __future__ import annotations
 
 import asyncio
-import importlib
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from typing import Any, NamedTuple
 from agentrl.envs.env_calls import EnvCallTimeout
 from agentrl.gateway.commands import is_command, reward_from_output, run_command
 from agentrl.gateway.server import EpisodeEnded, Gateway, Session
+from agentrl.plugins import import_object
 from agentrl.types import Episode, EpisodeSpec
 
 AgentFn = Callable[[Any, "AgentTask"], Awaitable[Any]]
@@ -47,10 +47,9 @@ def register_agent(name: str) -> Callable[[AgentFn], AgentFn]:
 
 def resolve_agent(ref: str) -> AgentFn:
     if ":" in ref:
-        module_name, _, attr = ref.partition(":")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
+            fn = import_object(ref)
+        except (ImportError, AttributeError, ValueError) as err:
             raise UnknownAgentError(f"cannot import agent {ref!r}: {err}") from None
     elif ref in _AGENTS:
         fn = _AGENTS[ref]

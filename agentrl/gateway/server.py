@@ -186,7 +186,7 @@ class Gateway:
             raise GatewayError(503, f"no rollout engine could serve the call: {type(err).__name__}: {err}") from None
         finally:
             session.llm_s += time.perf_counter() - t0
-        chat = self.chat_for(tools)
+        chat = prompt.chat
         out, text, stopped = self._cut_at_stop(out, chat, req.stops)
         message, finish = self._message(text, out, bool(tools) and req.tool_choice != "none", stopped)
         session.transcript.record(prompt, out, template_message(message), chat.eos_ids)

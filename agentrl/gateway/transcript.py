@@ -100,6 +100,7 @@ class Prompt:
     line: int  # the segment it continues (-1: a new one)
     base: int  # tokens of that segment it starts from (its own tokens follow)
     tools_key: str
+    chat: ChatTokens  # the chat template state of its tools (the reply is read with it too)
 
     @property
     def reused(self) -> int:
@@ -130,11 +131,11 @@ class Transcript:
                 if longer and line.messages[: point.messages] == messages[: point.messages]:
                     best = (i, point)
         if best is None:
-            return Prompt(chat.prompt_ids(messages), messages, -1, 0, key)
+            return Prompt(chat.prompt_ids(messages), messages, -1, 0, key, chat)
         i, point = best
         delta = chat.delta_ids(messages[point.messages :], point.ended_with_eos)
         ids = self.lines[i].seq.token_ids[: point.tokens] + delta
-        return Prompt(ids, messages, i, point.tokens, key)
+        return Prompt(ids, messages, i, point.tokens, key, chat)
 
     def record(self, prompt: Prompt, out: GenOutput, reply: Message, eos_ids: set[int]) -> Turn:
         """Record the engine's output for `prompt` and the assistant message the agent got (`reply`, as templates
