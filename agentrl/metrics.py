@@ -49,6 +49,13 @@ class TensorBoardBackend:
             self._writer.add_scalar(key, value, step)
         self._writer.flush()
 
+    def log_episodes(self, step: int, phase: str, episodes: list[dict[str, Any]]) -> None:
+        """One text summary per env tag (TensorBoard renders it as markdown)."""
+        for tag in dict.fromkeys(e["tag"] for e in episodes):
+            text = "\n\n---\n\n".join(episode_markdown(e) for e in episodes if e["tag"] == tag)
+            self._writer.add_text(f"episodes/{phase}/{tag}", text, step)
+        self._writer.flush()
+
     def close(self) -> None:
         self._writer.close()
 
@@ -154,6 +161,25 @@ class TrackerBackend:
         else:
             self._run.log(dict(metrics), step=step)
 
+    def log_episodes(self, step: int, phase: str, episodes: list[dict[str, Any]]) -> None:
+        """The episodes as a table (wandb Table, MLflow table artifact) or texts (SwanLab), at `step`."""
+        columns = ["phase", "tag", "picked", "episode", "return", "success", "turns", "conversation"]
+        rows = [
+            [phase, e["tag"], e["picked"], e["episode_id"], e["episode_return"], e["success"], len(e["turns"]),
+             episode_markdown(e)]
+            for e in episodes
+        ]  # fmt: skip
+        key = f"episodes/{phase}"
+        if self.name == "mlflow":
+            data = {c: [row[i] for row in rows] for i, c in enumerate(columns)}
+            self._client.log_table(self._run_id, data=data, artifact_file=f"episodes/step-{step:06d}-{phase}.json")
+        elif self.name == "wandb":
+            self._run.log({key: self._mod.Table(columns=columns, data=rows)}, step=max(step, self._last_step))
+        else:
+            texts = [self._mod.Text(row[-1], caption=f"{row[1]} {row[2]} {row[3]}") for row in rows]
+            self._run.log({key: texts}, step=step)
+        self._last_step = max(self._last_step, step)
+
     def close(self, plot: Path | None = None) -> None:
         try:
             if plot is not None and plot.exists():
@@ -209,6 +235,16 @@ class MetricsSink:
         for backend in [*self.backends, *self.trackers]:
             backend.log(step, numeric)
 
+    def log_episodes(self, step: int, phase: str, episodes: list[dict[str, Any]]) -> None:
+        """A few episodes (RUN_DIR/episodes lines, `agentrl.run.episode_log`) to TensorBoard and the trackers;
+        a tracker that fails here is reported and skipped: the episodes file is the record."""
+        for backend in [*self.backends, *self.trackers]:
+            if hasattr(backend, "log_episodes"):
+                try:
+                    backend.log_episodes(step, phase, episodes)
+                except Exception as err:
+                    print(f"agentrl: episodes not sent to {type(backend).__name__}: {err}", file=sys.stderr)
+
     def close(self, plot: bool = True) -> None:
         """Closes every backend; with trackers and the JSONL file, the run's plot (plot_run) goes to each
         tracker first."""
@@ -224,6 +260,22 @@ class MetricsSink:
         trackers, self.trackers = self.trackers, []
         for tracker in trackers:
             tracker.close(png)
+
+
+def episode_markdown(episode: Mapping[str, Any]) -> str:
+    """An episodes-file line as markdown: a header line, then each message (observations as code blocks, since
+    envs render grids as monospaced text)."""
+    head = f"**{episode['episode_id']}** ({episode['picked']}): return {episode['episode_return']:.3f}" + (
+        f", success {episode['success']:g}" if episode.get("success") is not None else ""
+    )
+    parts = [head]
+    for m in episode["messages"]:
+        body = str(m.get("content") or "")
+        calls = m.get("tool_calls")
+        if calls:
+            body += "\n" + "\n".join(f"call: {json.dumps(c)}" for c in calls)
+        parts.append(f"*{m.get('role')}*\n```\n{body}\n```")
+    return "\n\n".join(parts)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:

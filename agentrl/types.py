@@ -1,7 +1,8 @@
 """The data agentrl's layers hand each other, in one place.
 
     rollout engine --GenOutput--> env manager --Episode--> reward workers
-    env manager --Group (Samples + per-episode metrics)--> SampleBuffer --batch of Groups--> trainer (Samples)
+    env manager --Group (Samples + per-episode metrics + EpisodeRecords)--> SampleBuffer --batch of Groups-->
+        trainer (Samples); a few EpisodeRecords --> RUN_DIR/episodes (agentrl.run.episode_log) --> agentrl view
 
 Plain dataclasses of lists (no tensors): they cross Ray by pickle for every episode, so they carry only what a
 later layer reads. A policy version counts trained batches everywhere (the warm-start weights are version 0).
@@ -15,6 +16,9 @@ from typing import Any, Literal, NamedTuple
 from agentrl.config.schema import SamplingConfig
 
 FinishReason = Literal["stop", "length", "abort"]
+# The key of a trainer step's result under which the per-token advantages it was asked to report come back
+# ({batch position: advantages}); the loop takes them out before the step's metrics are logged.
+REPORTED_ADVANTAGES = "report/advantages"
 Truncation = Literal["max_turns", "max_total_tokens", "env_truncated"]
 
 
@@ -194,6 +198,34 @@ class Sample:
         return {v for v, m in zip(self.versions, self.loss_mask, strict=True) if m}
 
 
+@dataclass
+class EpisodeRecord:
+    """An episode as a person reads it (RUN_DIR/episodes, `agentrl view`): the chat message by message, and per
+    model turn its tokens, policy versions, the env's reward and whether it ended the episode.
+
+    Each assistant message names its model turn (`turn`) and the tool calls parsed from it (`tool_calls`: name and
+    arguments); the tool results and the env's observations follow as `tool` / `user` messages. `turns[k]` has
+    `token_ids`, `versions`, `reward`, `done`, `resumes` (preempted by a weight update and resumed) and `tool_calls`
+    (the count run). Plain data: it crosses Ray with its group and is written as one JSON line.
+    """
+
+    episode_id: str
+    env_id: str
+    tag: str
+    split: str
+    seed: int
+    episode_return: float  # the scored return the trainer saw (env return + reward functions)
+    env_return: float
+    metrics: dict[str, float] = field(default_factory=dict)
+    truncation: Truncation | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def success(self) -> float | None:
+        return self.metrics.get("success")
+
+
 class EpisodeFailure(NamedTuple):
     """An episode that was dropped (its env or a tool crashed or timed out, or its env manager died)."""
 
@@ -211,6 +243,7 @@ class Group:
     GRPO-style advantages need the whole group, so the buffer takes and hands out groups, not samples.
     `episode_metrics` has one dict per scored episode (return, success, turns, ...); `failures` and
     `missing_rewards` name the episodes that were dropped (a crash or timeout; a reward function that failed).
+    `episodes` has one EpisodeRecord per scored episode, which the loop may write to RUN_DIR/episodes.
     """
 
     tag: str
@@ -220,4 +253,5 @@ class Group:
     episode_metrics: list[dict[str, float]] = field(default_factory=list)
     failures: list[EpisodeFailure] = field(default_factory=list)
     missing_rewards: list[str] = field(default_factory=list)
+    episodes: list[EpisodeRecord] = field(default_factory=list)
     admitted_version: int = 0  # the policy version when the buffer admitted the group

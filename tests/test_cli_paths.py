@@ -104,7 +104,7 @@ def test_eval_options_and_overrides_in_any_order(run_dir: Path, tmp_path: Path, 
 
     async def fake_evaluate(cfg, managers):
         seen["episodes"] = cfg.validation.episodes_per_tag
-        return {"val/success": 0.5}
+        return manager.Evaluation({"val/success": 0.5}, [])
 
     def fake_fleet(cfg, model_path, ref=None):
         seen["path"] = model_path

@@ -79,13 +79,13 @@ async def test_every_mode_trains_within_the_staleness_bound(
     original = pipeline.trainer.train_step
     loop, third_step = asyncio.get_running_loop(), asyncio.Event()
 
-    def spy(samples):
+    def spy(samples, report):
         trained.append((pipeline.state.step, samples))  # the policy version = trained batches
         if pipeline.state.step == 0:  # the step-0 validation was started beside the first batch, not awaited
             first_step_beside_validation.append(pipeline.validation.task is not None)
         if pipeline.state.step == 2:
             loop.call_soon_threadsafe(third_step.set)
-        return original(samples)
+        return original(samples, report)
 
     pipeline.trainer.train_step = spy
     synced_during_validation = []

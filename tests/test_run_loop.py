@@ -12,6 +12,7 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,8 +81,9 @@ class StandInTrainer:
         self.version, self.batches, self.step_s, self.loop = 0, [], step_s, loop
         self.during_step = lambda version: None  # a test's hook, on the event loop, while step `version` trains
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], report: list[int]) -> dict[str, Any]:
         self.batches.append((self.version, samples))
+        self.reported = list(report)
         self.loop.call_soon_threadsafe(self.during_step, self.version + 1)
         time.sleep(self.step_s)
         self.version += 1

@@ -28,6 +28,7 @@ COMMAND_MODULES = [
     "tools_cmd",
     "serve_envs_cmd",
     "export_cmd",
+    "view_cmd",
     "examples_cmd",
     "init_cmd",
 ]

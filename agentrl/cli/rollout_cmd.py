@@ -90,7 +90,7 @@ def _eval(args: argparse.Namespace) -> int:
     else:
         local = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
         managers = _fleet(cfg, local, model_ref(cfg.model.path, cfg.model.revision, local))
-    for key, value in sorted(asyncio.run(evaluate(cfg, managers)).items()):
+    for key, value in sorted(asyncio.run(evaluate(cfg, managers)).metrics.items()):
         print(f"{key}: {value:.4f}")
     return 0
 

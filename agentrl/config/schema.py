@@ -428,6 +428,21 @@ class LoggingConfig(Section):
         description="write every RL batch the trainer takes to RUN_DIR/batches/step-NNNNNN.jsonl.gz (its samples: "
         "tokens, masks, log-probs, versions, rewards; agentrl.batch_files.load_batch reads one back)",
     )
+    sample_every_steps: int = Field(
+        10,
+        ge=0,
+        description="every this many RL steps, and at every validation, write a few episodes per env tag to "
+        "RUN_DIR/episodes/step-NNNNNN.jsonl (the chat turn by turn, tool calls, rewards, tokens with their policy "
+        "versions and advantages) and to the trackers; `agentrl view RUN_DIR` shows them. 0: never",
+    )
+    sample_episodes: PositiveInt = Field(
+        3, description="episodes per env tag each time: the lowest-return one, the highest, then random ones"
+    )
+    episodes_max_mb: float = Field(
+        100.0,
+        gt=0,
+        description="RUN_DIR/episodes stays under this size: past it every other older file is removed",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -12,13 +12,13 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentrl.config.schema import Config, EnvConfig, SamplingConfig
 from agentrl.envmanager.episode import EpisodeRunner
-from agentrl.envmanager.samples import episode_metrics, to_samples
+from agentrl.envmanager.samples import episode_metrics, episode_record, to_samples
 from agentrl.rollout.engine_client import EngineClient
-from agentrl.types import Episode, EpisodeFailure, EpisodeSpec, GenOutput, Group
+from agentrl.types import Episode, EpisodeFailure, EpisodeRecord, EpisodeSpec, GenOutput, Group
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,7 @@ class EnvManager:
             episode_return, reward_metrics = scored
             group.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
             group.episode_metrics.append({**episode_metrics(ep, episode_return), **reward_metrics})
+            group.episodes.append(episode_record(ep, tag, split, seed, episode_return, self.runner.tool_parser))
         return group
 
     async def _score(self, ep: Episode, group: Group) -> tuple[float, dict[str, float]] | None:
@@ -275,7 +276,14 @@ def start_managers(cfg: Config, model_path: str, router: Any, reward_pool: Any =
     return [cls.remote(cfg, model_path, router, reward_pool, i) for i in range(cfg.envs.num_managers)]
 
 
-async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = lambda: None) -> dict[str, float]:
+class Evaluation(NamedTuple):
+    """A validation's result: its metrics, and the episodes as records (for RUN_DIR/episodes)."""
+
+    metrics: dict[str, float]
+    episodes: list[EpisodeRecord]
+
+
+async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = lambda: None) -> Evaluation:
     """`validation.episodes_per_tag` held-out episodes per val tag (the train tags when there are none),
     spread over the env managers; success and return per tag. tick() is called as each episode ends."""
     from agentrl.step_metrics import validation_metrics
@@ -293,4 +301,5 @@ async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = 
         tick()
         return group
 
-    return validation_metrics(list(await asyncio.gather(*map(counted, jobs)))) if jobs else {}
+    groups = list(await asyncio.gather(*map(counted, jobs)))
+    return Evaluation(validation_metrics(groups) if groups else {}, [r for g in groups for r in g.episodes])

@@ -32,13 +32,14 @@ from agentrl.envmanager.manager import FirstOfKind, evaluate
 from agentrl.metrics import MetricsSink
 from agentrl.rollout.router import fleet_metrics
 from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
+from agentrl.run.episode_log import EpisodeLog, TokenTexts, advantages_by_episode, pick, sample_indices
 from agentrl.run.parts import RunParts
 from agentrl.run.signals import StopSignals
 from agentrl.run.state import RunState, Snapshot, TaskSchedule, TrainedLog, load_run_state, save_run_state
 from agentrl.run.validation import Validation
 from agentrl.run.warm_start import warm_start
 from agentrl.step_metrics import batch_metrics
-from agentrl.types import EpisodeFailure, Group
+from agentrl.types import REPORTED_ADVANTAGES, EpisodeFailure, Group
 
 
 class StepClock:
@@ -85,6 +86,11 @@ class Pipeline:
             cfg.logging.project, cfg.name, cfg.model_dump(mode="json", by_alias=True),
         )  # fmt: skip
         self.trainer_lock = asyncio.Lock()  # the loop's trainer calls vs. a weight sync for a restarted engine
+        lg = cfg.logging
+        self.episode_log = EpisodeLog(
+            run_dir, lg.sample_every_steps, lg.sample_episodes, lg.episodes_max_mb,
+            TokenTexts(cfg.model.tokenizer or parts.model_path), self.sink.log_episodes,
+        )  # fmt: skip
 
     @property
     def stop_signal(self) -> int | None:
@@ -146,13 +152,17 @@ class Pipeline:
         if self.cfg.logging.save_batches:
             await asyncio.to_thread(save_batch, batch_path(self.run_dir / "batches", state.step + 1), samples)
         metrics = batch_metrics(groups, samples, state.step)
+        logged = self.episode_log.pick_batch(state.step + 1, groups)  # a few episodes to write, with advantages
+        report = sample_indices([r for _, r in logged], samples)
         async with self.trainer_lock:
             with clock.timing("train"):
-                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples))
+                metrics.update(await asyncio.to_thread(self.trainer.train_step, samples, report))
             state.step += 1
             state.trained += len(groups)
             self.trained_log.record(state.step, groups)
             metrics["train/version"] = float(self.trainer.version)
+        reported = metrics.pop(REPORTED_ADVANTAGES, {})
+        self.episode_log.write(state.step, "train", logged, advantages_by_episode(logged, samples, reported))
         with clock.timing("validation_wait"):  # the last step's validation, if it outlasted this step
             await self.validation.done()
         async with self.trainer_lock:
@@ -225,8 +235,10 @@ class Pipeline:
         """Held-out episodes on the engines' current weights (those of `step`), logged at that step."""
         episodes = len(self.cfg.envs.val or self.cfg.envs.train) * self.cfg.validation.episodes_per_tag
         with self.view.phase(f"validation at step {step}", episodes, "episodes") as tick:
-            result = await evaluate(self.cfg, self.managers, tick)
+            result, episodes = await evaluate(self.cfg, self.managers, tick)
         self.sink.log(step, result)
+        if self.episode_log.every_steps:
+            self.episode_log.write(step, "validation", pick(episodes, self.episode_log.per_tag, seed=step))
         if step == 0:
             self.state.first_val = result  # before RL
         return result
@@ -267,4 +279,5 @@ class Pipeline:
 
     def close(self) -> None:
         """The loop's own files; whoever built the parts closes them."""
+        self.episode_log.close()  # its last files go to the trackers too
         self.sink.close()

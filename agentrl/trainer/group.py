@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -82,10 +83,11 @@ class TrainerGroup:
 
     # ---- the API -------------------------------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], report: Sequence[int] = ()) -> dict[str, Any]:
         """One RL step on this batch, which makes the next policy version; metrics
-        `train/{loss,kl,entropy,clip_frac,grad_norm,lr,optimizer_steps}` and more."""
-        out = self._get(self._call("train_step", ray.put(samples)))
+        `train/{loss,kl,entropy,clip_frac,grad_norm,lr,optimizer_steps}` and more, and the per-token advantages
+        of the samples at the `report` positions (`agentrl.types.REPORTED_ADVANTAGES`)."""
+        out = self._get(self._call("train_step", ray.put(samples), list(report)))
         self._version += 1
         return out
 

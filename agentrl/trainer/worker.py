@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -45,7 +45,7 @@ from agentrl.trainer.batching import (
 from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state
 from agentrl.trainer.model import uses_flash_attention
 from agentrl.trainer.weight_publish import WeightPublisher
-from agentrl.types import Sample
+from agentrl.types import REPORTED_ADVANTAGES, Sample
 from agentrl.weight_buckets import GroupCache, PackBuffer
 
 RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
@@ -327,20 +327,27 @@ class TrainerRank(WeightPublisher):
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
-    def train_step(self, samples: list[Sample]) -> dict[str, float]:
+    def train_step(self, samples: list[Sample], report: Sequence[int] = ()) -> dict[str, Any]:
         """One RL step: proximal/ref log-probs and advantages once for the batch, then `ppo_epochs` x
         `mini_batches` optimizer steps. The proximal policy stays the one from before the first optimizer
-        step, so clipping bounds how far all of them together move it (the trust region)."""
+        step, so clipping bounds how far all of them together move it (the trust region).
+
+        `report`: batch positions whose per-token advantages come back under REPORTED_ADVANTAGES (gathered
+        from every rank; the same list on every rank), for the episodes the run logs."""
         t0 = time.perf_counter()
         if self.sft_opt is not None:  # the warm start is over: free its AdamW moments (2 fp32 copies of the params)
             self.sft_opt = None
             self.opt.sync_from_model()
         rl = self._prepare(samples)
         gap = self._rollout_gap(samples, rl.fields.get("prox"))
+        reported = self._gather({i: rl.fields["adv"][i] for i in report if i in rl.fields["adv"]}) if report else {}
         sums, grad_norms, lrs = self._optimize(rl)
         self.version += 1
         self.optimizer_steps += len(grad_norms)
-        return {**self._summarize(rl, sums, grad_norms, lrs, t0), **gap}
+        out: dict[str, Any] = {**self._summarize(rl, sums, grad_norms, lrs, t0), **gap}
+        if report:
+            out[REPORTED_ADVANTAGES] = reported
+        return out
 
     def _rollout_gap(self, samples: list[Sample], prox: dict[int, list[float]] | None) -> dict[str, float]:
         """`train/rollout_logprob_diff`: mean |engine log-prob - trainer log-prob| over the model tokens sampled at
