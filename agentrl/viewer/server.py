@@ -60,7 +60,7 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
-    """The viewer of `run_dir`; with `token`, every route but the static assets needs it."""
+    """The viewer of `run_dir`; with `token`, every route but /health and the static assets needs it."""
     run_dir = run_dir.resolve()
 
     def authorized(request: Request, token_param: Annotated[str | None, Query(alias="token")] = None) -> None:
@@ -74,6 +74,10 @@ def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
     app = FastAPI(title="agentrl view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     guarded = [Depends(authorized)]
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
 
     @app.get("/", response_class=HTMLResponse, dependencies=guarded)
     def index() -> HTMLResponse:

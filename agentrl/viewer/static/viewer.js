@@ -70,8 +70,8 @@ function drawPanel(title, lines) {
     label.textContent = Math.abs(y) >= 1000 ? y.toExponential(1) : +y.toPrecision(3);
     svg.append(label);
   }
-  for (const x of [x0, x1]) {
-    const label = svgNode("text", { class: "tick", x: sx(x), y: H - 6, "text-anchor": "middle" });
+  for (const [x, anchor] of [[x0, "start"], [x1, "end"]]) {
+    const label = svgNode("text", { class: "tick", x: sx(x), y: H - 6, "text-anchor": anchor });
     label.textContent = `step ${x}`;
     svg.append(label);
   }
