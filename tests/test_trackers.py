@@ -26,6 +26,16 @@ STEPS = {
 }
 
 
+# One line of RUN_DIR/episodes (agentrl.run.episode_log), as the loop hands it to the trackers.
+EPISODE = {
+    "step": 2, "phase": "train", "picked": "best", "episode_id": "train/math/3/1", "tag": "math", "env_id": "m",
+    "episode_return": 1.0, "success": 1.0, "truncation": None,
+    "messages": [{"role": "user", "content": "2+2?"},
+                 {"role": "assistant", "content": "<answer>4</answer>", "turn": 0}],
+    "turns": [{"token_ids": [5, 6], "versions": [1, 1], "reward": 1.0, "done": True}],
+}  # fmt: skip
+
+
 def _run_config() -> dict:
     return Config(name="tracked", seed=7).model_dump(mode="json", by_alias=True)
 
@@ -38,6 +48,8 @@ def _write_run(run_dir: Path, trackers: list[str]) -> dict:
     )  # fmt: skip
     for step, metrics in STEPS.items():
         sink.log(step, {**metrics, "note": "not a number"})
+        if step == 2:
+            sink.log_episodes(2, "train", [EPISODE])
     sink.close()
     assert (run_dir / "curves.png").is_file()  # the plot the trackers got
     return flatten_config(config)
@@ -110,6 +122,9 @@ def test_wandb_offline_run_has_config_metrics_and_plot(tmp_path, wandb_home):
     image = rows[3]["plot/path"]  # the plot, logged at the last step as an image
     assert rows[3]["plot/_type"] == "image-file"
     assert (offline / "files" / image).is_file() and (offline / "files" / image).read_bytes()[:4] == b"\x89PNG"
+    (table,) = (offline / "files" / "media" / "table" / "episodes").glob("train_2_*.table.json")
+    data = json.loads(table.read_text())  # the logged episodes as a table at their step
+    assert data["columns"][:4] == ["phase", "tag", "picked", "episode"] and data["data"][0][3] == "train/math/3/1"
 
 
 def _expected_history() -> dict[str, dict[int, float]]:
@@ -135,7 +150,10 @@ def test_mlflow_file_store_run_has_config_metrics_and_plot(tmp_path, monkeypatch
         got = {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
         assert got == pytest.approx(want), name
     assert "note" not in run.data.metrics
-    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png"]
+    assert [a.path for a in client.list_artifacts(run.info.run_id)] == ["curves.png", "episodes"]
+    table = client.download_artifacts(run.info.run_id, "episodes/step-000002-train.json", str(tmp_path / "dl"))
+    table_data = json.loads(Path(table).read_text())
+    assert table_data["columns"][3] == "episode" and table_data["data"][0][3] == "train/math/3/1"
     png = client.download_artifacts(run.info.run_id, "curves.png", str(tmp_path / "download"))
     assert Path(png).read_bytes()[:4] == b"\x89PNG"
 
@@ -166,6 +184,8 @@ def test_swanlab_offline_run_has_config_metrics_and_plot(tmp_path, monkeypatch):
     config = yaml.safe_load((swan_run / "files" / "config.yaml").read_text())
     for key in ("seed", "name", "trainer.optim.lr", "trainer.optim.betas", "logging.project"):
         assert config[key]["value"] == flat[key], key
+    (text,) = (swan_run / "media" / "text").glob("*.txt")  # the logged episode, as markdown
+    assert "train/math/3/1" in text.read_text() and "<answer>4</answer>" in text.read_text()
     (png,) = (swan_run / "media" / "image").glob("*.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
 
