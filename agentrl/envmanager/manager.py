@@ -156,7 +156,8 @@ class EnvManager:
             episode_return, reward_metrics = scored
             group.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
             group.episode_metrics.append({**episode_metrics(ep, episode_return), **reward_metrics})
-            group.episodes.append(episode_record(ep, tag, split, seed, episode_return, self.runner.tool_parser))
+            if self.cfg.logging.sample_every_steps:  # the run logs a few of them (agentrl.run.episode_log)
+                group.episodes.append(episode_record(ep, tag, split, seed, episode_return, self.runner.tool_parser))
         return group
 
     async def _score(self, ep: Episode, group: Group) -> tuple[float, dict[str, float]] | None:
