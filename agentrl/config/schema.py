@@ -16,6 +16,8 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
+    """The policy model: its weights, tokenizer and where built-in models are built."""
+
     path: str = Field("builtin:tiny", description="HF model dir, hub id, or builtin:NAME (built on first use)")
     tokenizer: str | None = Field(None, description="tokenizer path; defaults to the model path")
     cache_dir: str = Field("~/.cache/agentrl/models", description="where builtin models are built")
@@ -47,15 +49,25 @@ class TrainEnvConfig(EnvConfig):
 
 
 class EnvsConfig(Section):
+    """The envs the run trains and validates on, and how their episodes become samples."""
+
     train: dict[str, TrainEnvConfig] = Field(
         default_factory=lambda: {"sokoban": TrainEnvConfig(env_id="agentrl/SimpleSokoban-v0")}
     )
     val: dict[str, EnvConfig] = Field(default_factory=dict)
-    sample_mode: Literal["trajectory", "step"] = "trajectory"
+    sample_mode: Literal["trajectory", "step"] = Field(
+        "trajectory",
+        description="trajectory: one sample per episode (the whole token history); step: one sample per model turn "
+        "(its prompt is the system prompt and the last step_history_window turns)",
+    )
     step_history_window: int = Field(0, ge=0, description="step-wise samples: past turns kept in the prompt")
     max_total_tokens: PositiveInt = Field(4096, description="episode length cap (prompt + every turn)")
-    num_managers: PositiveInt = 1
-    step_timeout_s: PositiveFloat = 30.0
+    num_managers: PositiveInt = Field(1, description="env-manager actors; episodes are spread over them")
+    step_timeout_s: PositiveFloat = Field(
+        30.0,
+        description="limit on every env call (build, reset, step, the expert) in every phase; past it the episode "
+        "fails",
+    )
     env_threads: PositiveInt = Field(16, description="threads per env manager for env.reset/step (blocking code)")
 
     @model_validator(mode="before")
@@ -73,9 +85,11 @@ class EnvsConfig(Section):
 
 
 class ToolSpec(Section):
+    """One tool: in process (`python`) or on a tool server (`url`)."""
+
     python: str | None = Field(None, description="module:function for an in-process tool")
     url: str | None = Field(None, description="tool server base URL for a remote tool")
-    timeout_s: PositiveFloat = 10.0
+    timeout_s: PositiveFloat = Field(10.0, description="limit on one call; past it the model reads an error")
     token_env: str | None = Field(None, description="environment variable holding the bearer token")
 
     @model_validator(mode="after")
@@ -86,17 +100,25 @@ class ToolSpec(Section):
 
 
 class ToolsConfig(Section):
+    """Tool sets the envs may call (`envs.*.<tag>.tools`), and limits on calls."""
+
     sets: dict[str, dict[str, ToolSpec]] = Field(default_factory=dict, description="tool set -> name -> tool")
     parser: str = Field("hermes", description="tool-call parser name")
-    max_calls_per_turn: PositiveInt = 4
-    max_calls_per_episode: PositiveInt = 32
+    max_calls_per_turn: PositiveInt = Field(
+        4, description="tool calls run per model turn; more are answered with an error"
+    )
+    max_calls_per_episode: PositiveInt = Field(
+        32, description="tool calls run per episode; more are answered with an error"
+    )
 
 
 class RewardFnSpec(Section):
+    """One reward function, added to the env's return with its weight."""
+
     name: str = Field(..., description="registered reward name or module:function")
-    weight: float = 1.0
-    kwargs: dict[str, Any] = Field(default_factory=dict)
-    timeout_s: PositiveFloat = 30.0
+    weight: float = Field(1.0, description="its weight in the return")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments passed to the function")
+    timeout_s: PositiveFloat = Field(30.0, description="limit on one call; past it the episode gets no sample")
     label: str | None = Field(None, description="component name (default: name); needed to use a function twice")
     isolation: Literal["none", "process"] = Field(
         "none", description="process: run in a subprocess that is killed on timeout (CPU-heavy / unsafe verifiers)"
@@ -108,9 +130,11 @@ class RewardFnSpec(Section):
 
 
 class RewardConfig(Section):
-    functions: list[RewardFnSpec] = Field(default_factory=list)
+    """Reward functions scored by async reward workers on top of the env's return."""
+
+    functions: list[RewardFnSpec] = Field(default_factory=list, description="reward functions (name, weight, ...)")
     env_reward_weight: float = Field(1.0, description="return = env_reward_weight * env return + sum(w_i r_i)")
-    num_workers: PositiveInt = 1
+    num_workers: PositiveInt = Field(1, description="reward worker actors")
     queue_size: PositiveInt = Field(1024, description="episodes queued or in flight before score() waits")
     timeout_s: PositiveFloat = Field(60.0, description="whole-episode limit, on top of each function's timeout_s")
     process_slots: PositiveInt = Field(2, description="subprocesses per worker for isolation=process functions")
@@ -127,12 +151,14 @@ class RewardConfig(Section):
 class SamplingConfig(Section):
     """Sampling of one model turn; engines take it as is."""
 
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float = Field(1.0, ge=0.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables it")
     top_k: int = Field(-1, ge=-1, description="-1 disables top-k")
     max_tokens: PositiveInt = Field(64, description="new tokens per model turn")
-    stop_token_ids: list[int] = Field(default_factory=list)
-    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a turn, besides EOS")
+    seed: int | None = Field(
+        None, description="a seed per request; None: the engine's own generator (seeded by the run's seed)"
+    )
     ignore_eos: bool = Field(False, description="generate exactly max_tokens (benchmarks)")
 
 
@@ -140,27 +166,33 @@ class ValSamplingConfig(Section):
     """Validation's changes to `rollout.sampling`: unset fields (None) keep the training value."""
 
     temperature: float | None = Field(0.0, ge=0.0, description="greedy by default")
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    max_tokens: PositiveInt | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="None: the training value")
+    top_k: int | None = Field(None, ge=-1, description="None: the training value")
+    max_tokens: PositiveInt | None = Field(None, description="None: the training value")
+    stop_token_ids: list[int] | None = Field(None, description="None: the training value")
+    seed: int | None = Field(None, description="None: the training value")
 
 
 class RolloutConfig(Section):
-    backend: Literal["vllm", "sglang", "remote"] = "vllm"
-    num_engines: PositiveInt = 1
+    """The rollout engines: backend, count, sampling, health and how weights reach them."""
+
+    backend: Literal["vllm", "sglang", "remote"] = Field(
+        "vllm", description="vllm / sglang: engines in Ray actors; remote: a running server at `url`"
+    )
+    num_engines: PositiveInt = Field(1, description="rollout engine actors")
     url: str | None = Field(None, description="base URL of a running server (backend=remote)")
-    max_model_len: PositiveInt = 4096
+    max_model_len: PositiveInt = Field(4096, description="the engines' context length")
     enforce_eager: bool | None = Field(None, description="None: eager on CPU, CUDA/NPU graphs on accelerators")
     kv_cache_gib: PositiveFloat = Field(
         1.0, description="CPU KV cache size in GiB (the tiny model takes ~1 KiB a token); zero-filled at engine start"
     )
-    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0, description="share of device memory an engine takes")
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra engine args (free keys)")
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    val_sampling: ValSamplingConfig = Field(default_factory=ValSamplingConfig)
-    request_timeout_s: PositiveFloat = 300.0
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig, description="sampling of training episodes")
+    val_sampling: ValSamplingConfig = Field(
+        default_factory=ValSamplingConfig, description="validation's changes to `sampling` (greedy by default)"
+    )
+    request_timeout_s: PositiveFloat = Field(300.0, description="limit on one model turn at the engines")
     restart_engines: int = Field(2, ge=0, description="restarts of each dead engine before giving it up; 0 = never")
     no_engine_timeout_s: PositiveFloat = Field(
         60.0, description="stop the run (leaving a checkpoint) when no engine has been healthy this long"
@@ -261,36 +293,48 @@ TINY_SFT_LR, MODEL_SFT_LR = 1e-3, 1e-5
 
 
 class OptimConfig(Section):
+    """AdamW and its schedule for the RL steps."""
+
     lr: PositiveFloat | None = Field(
         None, description=f"None: {TINY_LR:g} for builtin:tiny, {MODEL_LR:g} for any other (pretrained) model"
     )
-    weight_decay: float = Field(0.0, ge=0.0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: PositiveFloat = 1e-8
-    warmup_steps: int = Field(0, ge=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    grad_clip: PositiveFloat = 1.0
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: PositiveFloat = Field(1e-8, description="AdamW epsilon")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="the lr after warm-up")
+    grad_clip: PositiveFloat = Field(1.0, description="max global gradient norm")
 
 
 class AlgorithmConfig(Section):
-    advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "step_return", "gae"] = "grpo"
-    loss: Literal["decoupled_ppo", "ppo_clip"] = "decoupled_ppo"
+    """Advantages, the policy loss and its aggregation, KL and entropy terms."""
+
+    advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "step_return", "gae"] = Field(
+        "grpo",
+        description="grpo(_no_std) / rloo: group-relative; reinforce_pp: batch-normalised; step_return: per-turn "
+        "returns-to-go; gae: a critic's values",
+    )
+    loss: Literal["decoupled_ppo", "ppo_clip"] = Field(
+        "decoupled_ppo",
+        description="decoupled_ppo: clipped against the proximal policy, truncated importance weights to the "
+        "behaviour policy; ppo_clip: clipped against the behaviour log-probs",
+    )
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "episode_mean"] = Field(
         "token_mean",
         description="episode_mean: every episode weighs the same however many step-wise samples (turns) it has",
     )
-    clip_low: float = Field(0.2, ge=0.0)
+    clip_low: float = Field(0.2, ge=0.0, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
     dual_clip: float | None = Field(None, gt=1.0, description="dual-clip constant c (e.g. 3.0); None = off")
     is_truncation: float = Field(2.0, gt=0.0, description="truncate behaviour importance weights at this")
-    is_level: Literal["token", "sequence"] = "token"
-    kl_coef: float = Field(0.0, ge=0.0)
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    kl_in_reward: bool = False
-    entropy_coef: float = Field(0.0, ge=0.0)
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    gae_lambda: float = Field(1.0, ge=0.0, le=1.0)
-    ppo_epochs: PositiveInt = 1
+    is_level: Literal["token", "sequence"] = Field("token", description="importance weights per token or per sequence")
+    kl_coef: float = Field(0.0, ge=0.0, description="KL to the initial policy (a reference model); 0: none")
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="the KL estimator")
+    kl_in_reward: bool = Field(False, description="the KL as a reward penalty instead of a loss term")
+    entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus in the loss")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount (step_return, gae)")
+    gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
+    ppo_epochs: PositiveInt = Field(1, description="passes over each batch")
     mini_batches: PositiveInt = Field(
         1, description="optimizer steps per batch and PPO epoch; proximal log-probs and advantages are computed once"
     )
@@ -299,10 +343,10 @@ class AlgorithmConfig(Section):
 class SFTConfig(Section):
     """Warm start on expert demonstrations from the envs before RL."""
 
-    enabled: bool = False
-    episodes: PositiveInt = 2000
-    steps: int = Field(200, ge=0)
-    batch_size: PositiveInt = 64
+    enabled: bool = Field(False, description="run the warm start before RL")
+    episodes: PositiveInt = Field(2000, description="expert demo episodes")
+    steps: int = Field(200, ge=0, description="SFT optimizer steps")
+    batch_size: PositiveInt = Field(64, description="demo samples per SFT step")
     lr: PositiveFloat | None = Field(
         None, description=f"None: {TINY_SFT_LR:g} for builtin:tiny, {MODEL_SFT_LR:g} for any other model"
     )
@@ -323,10 +367,10 @@ class SFTConfig(Section):
 class MegatronConfig(Section):
     """Model-parallel sizes for `trainer.backend: megatron`; the data-parallel size is what remains of num_ranks."""
 
-    tensor_parallel: PositiveInt = 1
-    pipeline_parallel: PositiveInt = 1
-    context_parallel: PositiveInt = 1
-    expert_parallel: PositiveInt = 1
+    tensor_parallel: PositiveInt = Field(1, description="ranks a layer's weights are split over")
+    pipeline_parallel: PositiveInt = Field(1, description="pipeline stages (1F1B schedule)")
+    context_parallel: PositiveInt = Field(1, description="must be 1 for now")
+    expert_parallel: PositiveInt = Field(1, description="ranks MoE experts are split over")
     distributed_optimizer: bool = Field(True, description="shard optimizer state over data-parallel replicas")
     sequence_parallel: bool = Field(False, description="split layer-norm and dropout activations over TP ranks")
 
@@ -336,11 +380,13 @@ class MegatronConfig(Section):
 
 
 class TrainerConfig(Section):
+    """The trainer: backend, ranks, steps, micro-batches, precision, and its optimizer, algorithm and warm start."""
+
     backend: Literal["fsdp2", "megatron"] = Field(
         "fsdp2", description="fsdp2: sharded data parallel; megatron: tensor/pipeline/context/expert parallel"
     )
-    num_ranks: PositiveInt = 1
-    total_steps: PositiveInt = 100
+    num_ranks: PositiveInt = Field(1, description="trainer ranks (one device each on GPU/NPU)")
+    total_steps: PositiveInt = Field(100, description="RL steps: trained batches")
     micro_batch_tokens: PositiveInt = Field(8192, description="token budget per packed micro-batch")
     packing: Literal["pad", "packed"] = Field(
         "pad",
@@ -356,10 +402,12 @@ class TrainerConfig(Section):
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each trainer rank asks for, e.g. to pin it to a node"
     )
-    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    sft: SFTConfig = Field(default_factory=SFTConfig)
+    megatron: MegatronConfig = Field(
+        default_factory=MegatronConfig, description="model-parallel sizes (backend: megatron)"
+    )
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="the RL optimizer")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="advantages and loss")
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="the SFT warm start on the envs' experts")
 
     @model_validator(mode="after")
     def _parallel_sizes_fit(self) -> TrainerConfig:
@@ -385,6 +433,8 @@ class TrainerConfig(Section):
 
 
 class AsyncConfig(Section):
+    """How far rollout may run ahead of training (the staleness bound) and partial rollout."""
+
     max_staleness: int = Field(0, ge=0, description="0 = synchronous on-policy")
     partial_rollout: bool = Field(False, description="abort in-flight generations at weight updates and resume")
     drop_zero_variance_groups: bool = Field(False, description="DAPO-style filter: drop groups with equal returns")
@@ -405,15 +455,19 @@ class GatewayConfig(Section):
 
 
 class ValidationConfig(Section):
+    """Held-out episodes (greedy by default) at step 0 and every `every_steps`."""
+
     every_steps: int = Field(10, ge=0, description="0 disables validation")
-    episodes_per_tag: PositiveInt = 64
-    seed_start: int = 1_000_000
+    episodes_per_tag: PositiveInt = Field(64, description="held-out episodes per env tag")
+    seed_start: int = Field(1_000_000, description="first held-out task seed (far from the training seeds)")
 
 
 class LoggingConfig(Section):
+    """Where the run writes: run dir, metrics, TensorBoard, trackers, batches and logged episodes."""
+
     run_dir: str = Field("runs/{name}", description="{name} is replaced by the run name")
-    console: bool = True
-    jsonl: bool = True
+    console: bool = Field(True, description="progress on stderr (false: only the end-of-run table)")
+    jsonl: bool = Field(True, description="RUN_DIR/metrics.jsonl (the viewer and the plot read it)")
     tensorboard: bool = Field(True, description="RUN_DIR/tensorboard; 'tensorboard' in trackers also turns it on")
     trackers: list[Literal["wandb", "mlflow", "swanlab", "tensorboard"]] = Field(
         default_factory=list,
@@ -456,14 +510,18 @@ class LoggingConfig(Section):
 
 
 class CheckpointConfig(Section):
+    """Checkpoints of the trainer and the run state, and resuming from them."""
+
     every_steps: int = Field(0, ge=0, description="0 saves only at the end")
-    keep_last: PositiveInt = 2
-    resume: Literal["auto", "never"] = "auto"
+    keep_last: PositiveInt = Field(2, description="checkpoints kept; older ones are removed")
+    resume: Literal["auto", "never"] = Field("auto", description="auto: resume from the run dir's latest checkpoint")
 
 
 class Config(Section):
-    name: str = "agentrl"
-    seed: int = 0
+    name: str = Field("agentrl", description="the run's name: names its run dir and its tracker runs")
+    seed: int = Field(
+        0, description="seeds the trainer (initial weights, mini-batch shuffles) and the engines' samplers"
+    )
     ray_address: str | None = Field(None, description="None = start local Ray; 'auto' or host:port = join a cluster")
     platform: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="auto: from the Ray cluster's resources (NPU, else GPU, else CPU), not the driver's node"
