@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONFIG ?= examples/agentic_sokoban.yaml
 
-.PHONY: setup train test test-fast lint bench
+.PHONY: setup train test test-fast lint bench docs
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -21,6 +21,9 @@ test-fast: setup  # the inner loop (a minute or two): no slow or heavy test; not
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+
+docs: setup  # the documentation site (docs/, mkdocs-material) into site/; broken links fail it
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(BIN)/python $$b; done

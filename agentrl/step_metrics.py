@@ -1,5 +1,5 @@
 """Per-step metrics of the groups a step trained on, and of validation, under the logged metric names (tests
-and benchmarks read them; the README lists them)."""
+and benchmarks read them; docs/guides/observability.md lists them)."""
 
 from __future__ import annotations
 

@@ -13,22 +13,22 @@ from agentrl.config import load_config
 
 def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("rollout", parents=[common], help="collect episodes with the configured model (no training)")
-    p.add_argument("config")
-    p.add_argument("overrides", nargs="*")
-    p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--out", default="trajectories.jsonl")
-    p.add_argument("--split", choices=["train", "val"], default="train")
+    p.add_argument("config", help="YAML file or a packaged example's name")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value or +new.key=value")
+    p.add_argument("--episodes", type=int, default=8, help="episodes to play")
+    p.add_argument("--out", default="trajectories.jsonl", help="JSONL file: one episode a line (text, tokens, ...)")
+    p.add_argument("--split", choices=["train", "val"], default="train", help="which envs and task seeds to play")
     p.set_defaults(func=_rollout)
     e = sub.add_parser("eval", parents=[common], help="held-out success and return per env tag")
-    e.add_argument("config")
-    e.add_argument("overrides", nargs="*")
+    e.add_argument("config", help="YAML file or a packaged example's name")
+    e.add_argument("overrides", nargs="*", help="dotted.key=value or +new.key=value")
     e.add_argument(
         "--checkpoint",
         help="a run dir (its latest checkpoint), a step dir (checkpoints/step-N or its trainer/) or a HF model dir",
     )
     e.set_defaults(func=_eval)
     pl = sub.add_parser("plot", parents=[common], help="write PNG curves of a run's metrics")
-    pl.add_argument("run_dir")
+    pl.add_argument("run_dir", help="a run dir; writes RUN_DIR/curves.png")
     pl.set_defaults(func=_plot)
 
 

@@ -10,7 +10,7 @@ from agentrl.cli import UsageError
 
 def add_bind_args(p: argparse.ArgumentParser, default_port: int) -> None:
     p.add_argument("--host", default="127.0.0.1", help="bind address; non-loopback needs --token-env")
-    p.add_argument("--port", type=int, default=default_port)
+    p.add_argument("--port", type=int, default=default_port, help="TCP port")
     p.add_argument("--token-env", metavar="VAR", help="environment variable holding the bearer token")
 
 

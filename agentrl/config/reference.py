@@ -28,9 +28,9 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
 def _type_name(annotation: Any) -> str:
     origin = typing.get_origin(annotation)
     if origin is Literal:
-        return " | ".join(json.dumps(a) for a in typing.get_args(annotation))
+        return " or ".join(json.dumps(a) for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if origin is typing.Annotated:
         return _type_name(typing.get_args(annotation)[0])
     if origin is not None:
@@ -109,7 +109,7 @@ def config_reference() -> str:
         bounds = _bounds(field)
         if bounds:
             desc = f"{desc} ({bounds})" if desc else bounds
-        type_name = _type_name(field.annotation).replace("|", "\\|")
+        type_name = _type_name(field.annotation)
         default = _default(field).replace("|", "\\|")
         lines.append(f"| `{key}` | `{type_name}` | `{default}` | {desc} |")
     return "\n".join(lines) + "\n"
