@@ -17,8 +17,8 @@ server through `ToolClient`; the order rotates between rounds. The ratios are co
 of the per-round ratios is reported, so a machine whose load drifts (other jobs on shared cores) moves both
 sides of a ratio together. Load for the two servers comes from a minimal keep-alive HTTP/1.1 client on raw
 asyncio sockets (one connection per simulated client, closed loop), so it measures the server, not a client;
-`via_toolclient` is what an env manager sees end to end (`ToolClient` on its lean keep-alive HTTP/1.1 pool,
-agentrl.tools.http1; `--alt-client` measures another copy of tools/client.py in the same rounds). The load
+`via_toolclient` is what an env manager sees end to end (`ToolClient` on its aiohttp keep-alive pool;
+`--alt-client` measures another copy of tools/client.py in the same rounds). The load
 generator shares the machine's cores with the server, so absolute numbers are a floor. Closed loop means mean
 latency >= clients / throughput (Little's law), whatever the server does per call: p99 at 64 clients can only be
 <= 10 ms above ~6.4k calls/s.
