@@ -1,9 +1,9 @@
 """Async client for `agentrl serve-tools`, used by env managers through `Toolbox` (url: tools).
 
 One keep-alive connection pool per server and event loop: an aiohttp session (HTTP/1.1, https://, the proxies
-that HTTP(S)_PROXY / NO_PROXY name). The protocol is aiohttp's, never parsed here: a hand-written HTTP/1.1 pool
-once beat it on a loopback benchmark (0.90-0.93x of the server's own rate vs aiohttp's 0.65x, 44 vs 101 us of
-client CPU per call), a cost that a tool call's own work and the model's turn dwarf.
+that HTTP(S)_PROXY / NO_PROXY name). The protocol is aiohttp's, never parsed here (a hand-written HTTP/1.1 pool
+once saved ~40 us of client CPU per call; `benchmarks/bench_tools.py` measures this client at the server's own
+rate, 85 us of CPU per call).
 
 Retries (exponential backoff with jitter) happen only where a retry is safe or the server asks for
 it: connection errors (the request never reached the tool, or the server dropped the connection without
