@@ -20,8 +20,10 @@ from torch.distributed.distributed_c10d import Backend, BackendConfig
 from agentrl import platform as plat
 from agentrl.config.schema import Config
 from agentrl.trainer import checkpoint as ckpt
+from agentrl.trainer import collectives as C
 from agentrl.trainer import worker as W
 from agentrl.trainer.batching import LAYOUT_KEYS
+from agentrl.trainer.loss_terms import RL_SUMS
 from agentrl.types import Sample
 from tests.servers import free_port
 
@@ -52,7 +54,7 @@ def test_device_backend_string_inits_a_real_gloo_group() -> None:
     try:
         assert dist.get_backend_config() == "cpu:gloo"
         t = torch.tensor([2.0], dtype=torch.float64)
-        W._host_all_reduce(t)  # the bookkeeping collective, strict or not
+        C.host_all_reduce(t)  # the bookkeeping collective, strict or not
         assert t.item() == 2.0
         parts: list = [None]
         dist.all_gather_object(parts, {"a": 1})
@@ -66,7 +68,7 @@ def test_device_backend_string_inits_a_real_gloo_group() -> None:
 
 @pytest.fixture
 def strict(monkeypatch):
-    monkeypatch.setattr(W, "STRICT_DEVICES", True)
+    monkeypatch.setattr(C, "STRICT_DEVICES", True)
 
 
 def _samples(n: int = 6, seed: int = 0) -> list[Sample]:
@@ -111,7 +113,7 @@ def test_collated_micro_batch_lands_on_the_rank_device_simulated(strict, layout)
 
 def test_strict_check_names_a_tensor_on_another_device(strict) -> None:
     with pytest.raises(RuntimeError, match=r"loss inputs: .* on cpu, expected meta"):
-        W._check_device([torch.zeros(2, device="meta"), torch.zeros(2)], torch.device("meta"), "loss inputs")
+        C.check_device([torch.zeros(2, device="meta"), torch.zeros(2)], torch.device("meta"), "loss inputs")
 
 
 @pytest.mark.parametrize(("loss", "kl_coef", "entropy_coef"), [("ppo_clip", 0.0, 0.0), ("decoupled_ppo", 0.05, 0.01)])
@@ -149,7 +151,7 @@ def test_rl_loss_keeps_every_loss_tensor_on_the_rank_device_simulated(
     logp, ent = fake_forward(batch, with_entropy=True, entropy_grad=entropy_coef > 0)
     loss, sums = rank._rl_loss(batch, logp, ent, denom=40.0)
     loss.backward()
-    assert seen and set(sums) <= set(W.RL_SUMS)
+    assert seen and set(sums) <= set(RL_SUMS)
     assert {v.device.type for v in sums.values()} == {"meta"}
 
 

@@ -6,21 +6,18 @@ shard. Each micro-batch's loss is divided by the *global* denominator (its share
 sums the shares' gradients over micro-batches and ranks), so 1 rank and N ranks take the same optimizer step up to
 float rounding.
 
-Devices and collectives. The default group is "cpu:gloo,<device>:<nccl|hccl>" (`Platform.process_group_backend`).
-Rule: a collective runs where its values already live. Model tensors (FSDP2's all-gathers and reduce-scatters, the
-grad norm) stay on the rank's device and use NCCL/HCCL; step bookkeeping (micro-batch counts, loss denominators,
-metric sums, object gathers) is host data and goes over gloo as CPU tensors, so it never costs a device copy.
-Everything that enters the model or a loss is on `self.device`: each collated micro-batch is moved there once,
-and metric sums stay there until one device-to-host copy at the end of a step. `AGENTRL_STRICT_DEVICES=1` (or
-`STRICT_DEVICES = True`) checks both rules at the collate output, the loss entry and before every collective.
+The rank coordinates; the pieces are elsewhere: the batch's advantages, mini-batches and metric summary are pure
+functions (`rl_batch`), each micro-batch's loss is assembled in `loss_terms`, and the rule of where tensors live and
+how bookkeeping crosses ranks is `collectives`'. The default group is "cpu:gloo,<device>:<nccl|hccl>"
+(`Platform.process_group_backend`): everything that enters the model or a loss is on `self.device` (each collated
+micro-batch is moved there once), and metric sums stay there until one device-to-host copy at the end of a step.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -30,11 +27,9 @@ import torch.distributed as dist
 from agentrl.config.schema import Config
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import configure_cpu_threads, detect
-from agentrl.trainer import advantages as adv_lib
-from agentrl.trainer import losses
+from agentrl.trainer import loss_terms, losses
 from agentrl.trainer.backends import ModelBackend, TrainOptimizer, create_backend
 from agentrl.trainer.batching import (
-    LAYOUT_KEYS,
     LazyMicroBatches,
     collate,
     micro_batches,
@@ -43,91 +38,20 @@ from agentrl.trainer.batching import (
     to_device,
 )
 from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state
+from agentrl.trainer.collectives import RankSums, check_device, compute_tensors, gather_dicts, host_all_reduce
+from agentrl.trainer.loss_terms import RL_SUMS, SFT_SUMS
 from agentrl.trainer.model import uses_flash_attention
+from agentrl.trainer.rl_batch import (
+    RLBatch,
+    episode_token_weights,
+    mini_batch_parts,
+    prompts_of,
+    shaped_advantages,
+    step_summary,
+)
 from agentrl.trainer.weight_publish import WeightPublisher
 from agentrl.types import REPORTED_ADVANTAGES, Sample
 from agentrl.weight_buckets import GroupCache, PackBuffer
-
-RL_SUMS = ("loss", "pg_loss", "kl", "entropy", "clipped", "dual_clipped", "tokens", "ratio", "is_weight",
-           "is_truncated", "value_loss", "skipped")  # fmt: skip
-SFT_SUMS = ("loss", "correct")
-
-STRICT_DEVICES = os.environ.get("AGENTRL_STRICT_DEVICES", "") == "1"
-
-
-def _check_device(tensors: Iterable[Any], device: torch.device, where: str) -> None:
-    """With STRICT_DEVICES: every tensor among `tensors` is on `device` (a CPU tensor in a device computation
-    fails late and far from its cause, or silently syncs)."""
-    if not STRICT_DEVICES:
-        return
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device != device:
-            raise RuntimeError(f"{where}: tensor of shape {tuple(t.shape)} on {t.device}, expected {device}")
-
-
-def _compute_tensors(batch: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The micro-batch tensors the model and the losses read (all but the host-side layout keys)."""
-    return [v for k, v in batch.items() if k not in LAYOUT_KEYS]
-
-
-def _host_all_reduce(t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group=None) -> torch.Tensor:
-    """all_reduce of step bookkeeping: a CPU tensor over the group's gloo backend (the module's collective rule).
-    `group`: the backend's data-parallel group for sums over the batch (tensor-parallel peers hold copies)."""
-    if STRICT_DEVICES:
-        devices = {pair.split(":")[0] for pair in dist.get_backend_config(group).split(",")}
-        if t.device.type != "cpu" or "cpu" not in devices:
-            raise RuntimeError(f"bookkeeping collective on {t.device} in a group for {sorted(devices)}")
-    dist.all_reduce(t, op=op, group=group)
-    return t
-
-
-class RankSums:
-    """Named sums over micro-batches, added over ranks in one collective at the end of a step.
-
-    Values may be 0-dim device tensors: they stay on the device (no host sync per micro-batch) and reach the host
-    in one copy, where they are added in float64. Every rank declares the same names, so the reduced vectors line
-    up; the order lives only in here.
-    """
-
-    def __init__(self, names: Iterable[str], group=None) -> None:
-        self._names = tuple(names)
-        self._group = group  # the data-parallel group: each replica's sums once
-        self._rows: list[torch.Tensor] = []  # one float32 vector per micro-batch, on the values' device
-
-    def add(self, values: Mapping[str, float | torch.Tensor]) -> None:
-        """Add one micro-batch's values; a name not declared is an error (ranks would disagree on the shape)."""
-        for name in values:
-            if name not in self._names:
-                raise KeyError(f"undeclared sum {name!r} (declared: {', '.join(self._names)})")
-        device = next((v.device for v in values.values() if isinstance(v, torch.Tensor)), torch.device("cpu"))
-        row = [values.get(n, 0.0) for n in self._names]
-        self._rows.append(
-            torch.stack([
-                v.detach().float().reshape(()) if isinstance(v, torch.Tensor) else torch.tensor(float(v), device=device)
-                for v in row
-            ])
-        )  # fmt: skip
-
-    def all_reduce(self) -> dict[str, float]:
-        """Collective: the sums over micro-batches and ranks (names never added stay 0)."""
-        total = torch.zeros(len(self._names), dtype=torch.float64)
-        if self._rows:
-            total += torch.stack(self._rows).to("cpu", torch.float64).sum(0)
-        _host_all_reduce(total, group=self._group)
-        return dict(zip(self._names, total.tolist(), strict=True))
-
-
-@dataclass
-class _RLBatch:
-    """What all optimizer steps of one train_step share, computed once before the first of them."""
-
-    samples: list[Sample]
-    mine: list[int]  # this rank's shard of the batch
-    fields: dict[str, dict[int, list[float]]]  # per-token loss inputs of this rank's samples, by sample index
-    model_tokens: list[int]  # per sample: tokens the loss can weigh (loss-mask tokens after the first)
-    episode_w: list[float] | None  # per sample, episode_mean only: 1 / model tokens of its episode
-    prompts: tuple[list[int], list[tuple[int, ...]]]  # `_prompts(samples)`, for every mini-batch's plan
-    no_gradient: set[int]  # this rank's samples whose loss has no gradient (`_without_gradient`)
 
 
 class TrainerRank(WeightPublisher):
@@ -204,16 +128,16 @@ class TrainerRank(WeightPublisher):
     ) -> list[list[int]]:
         """This rank's micro-batches (of its data-parallel shard, or of `mine`), padded with empty ones to the max
         count over ranks (collectives). `shared`: every pass over them runs repeated prompts once (the budget
-        then counts a prompt once, not once per row). `prompts`: `_prompts(samples)`, when the step has it."""
+        then counts a prompt once, not once per row). `prompts`: `prompts_of(samples)`, when the step has it."""
         lengths = [len(s.token_ids) for s in samples]
         if mine is None:
             mine = shard_indices(lengths, self.backend.dp_size)[self.backend.dp_rank]
-        keys, tokens = prompts or _prompts(samples)
+        keys, tokens = prompts or prompts_of(samples)
         shares = shared and self.tc.packing == "pad"
         mbs = micro_batches(
             mine, lengths, self.tc.micro_batch_tokens, self.tc.packing, keys, tokens if shares else None
         )
-        n = _host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
+        n = host_all_reduce(torch.tensor([len(mbs)]), dist.ReduceOp.MAX)
         return mbs + [[] for _ in range(max(int(n), 1) - len(mbs))]
 
     def _shares_prompts(self, grad: bool) -> bool:
@@ -231,7 +155,7 @@ class TrainerRank(WeightPublisher):
             toks = [samples[i].token_ids for i in idx]
             batch = collate(toks, {k: [v[i] for i in idx] for k, v in fields.items()}, layout, self.pad_id, block_mask)
         batch = to_device(batch, self.device)
-        _check_device(_compute_tensors(batch), self.device, "collated micro-batch")
+        check_device(compute_tensors(batch), self.device, "collated micro-batch")
         return batch
 
     def _micro_batches(self, samples: list[Sample], mbs: list[list[int]], fields: dict) -> LazyMicroBatches:
@@ -255,48 +179,9 @@ class TrainerRank(WeightPublisher):
         return self._logprob_pass(self.critic, samples, mbs, every_token=True)
 
     def _gather(self, local: dict[int, Any]) -> dict[int, Any]:
-        group = self.backend.dp_group
-        parts: list[dict[int, Any]] = [{} for _ in range(dist.get_world_size(group))]
-        dist.all_gather_object(parts, local, group=group)
-        return {k: v for p in parts for k, v in p.items()}
+        return gather_dicts(local, self.backend.dp_group)
 
-    # ---- advantages ----------------------------------------------------------------------------------------
-
-    def _advantages(self, samples, mine, prox, ref, values) -> tuple[dict[int, list[float]], dict, list[float]]:
-        """Per-token advantages for this rank's samples (+ value targets for GAE), and shaped rewards."""
-        alg = self.alg
-        rewards = [s.reward for s in samples]
-        token_kl: dict[int, list[float]] = {}
-        if alg.kl_in_reward and ref is not None:
-            cur = prox if prox is not None else {i: samples[i].logprobs for i in mine}
-            for i in mine:
-                m = samples[i].loss_mask
-                token_kl[i] = [-alg.kl_coef * (a - b) * mk for a, b, mk in zip(cur[i], ref[i], m, strict=True)]
-            kl_sum = self._gather({i: sum(v) for i, v in token_kl.items()})
-            if alg.advantage != "gae":  # GAE takes the penalty per token instead
-                rewards = [r + kl_sum[i] for i, r in enumerate(rewards)]
-        if alg.advantage == "gae":
-            sub = [samples[i] for i in mine]
-            kl = [token_kl[i] for i in mine] if token_kl else None
-            a, r = adv_lib.gae_advantages(sub, [values[i] for i in mine], alg.gamma, alg.gae_lambda, kl)
-            return dict(zip(mine, a, strict=True)), dict(zip(mine, r, strict=True)), rewards
-        if alg.advantage == "step_return":
-            shaped = [s if s.reward == r else _with_reward(s, r) for s, r in zip(samples, rewards, strict=True)]
-            a = adv_lib.step_return_advantages(shaped, alg.gamma)
-            return {i: a[i] for i in mine}, {}, rewards
-        seq = adv_lib.sequence_advantages(
-            alg.advantage, rewards, [s.group_id for s in samples], [s.episode_id for s in samples]
-        )
-        return {i: adv_lib.spread(seq[i], samples[i].loss_mask) for i in mine}, {}, rewards
-
-    def _episode_token_weights(self, samples: list[Sample], model_tokens: list[int]) -> list[float]:
-        """episode_mean: 1 / (model tokens of the sample's episode over the whole batch), per sample."""
-        per_episode: dict[str, int] = {}
-        for s, n in zip(samples, model_tokens, strict=True):
-            per_episode[s.episode_id] = per_episode.get(s.episode_id, 0) + n
-        return [1.0 / max(per_episode[s.episode_id], 1) for s in samples]
-
-    def _denom(self, rl: _RLBatch, part: list[int]) -> float:
+    def _denom(self, rl: RLBatch, part: list[int]) -> float:
         """Global denominator of the samples in `part` over all ranks: the sum of their token weights, i.e.
         model tokens (token_mean), sequences with any (seq_mean_*) or episodes (episode_mean, fractional when an
         episode's turns fall into several mini-batches)."""
@@ -307,23 +192,12 @@ class TrainerRank(WeightPublisher):
             local = float(sum(counts))
         else:
             local = float(sum(1 for c in counts if c))
-        return float(_host_all_reduce(torch.tensor([local], dtype=torch.float64), group=self.backend.dp_group))
+        return float(host_all_reduce(torch.tensor([local], dtype=torch.float64), group=self.backend.dp_group))
 
     def _mini_batches(self, samples: list[Sample], mine: list[int]) -> list[list[int]]:
-        """This rank's samples split into `mini_batches` parts (as many on every rank), whole groups to a part:
-        a group's episodes share their prompts (the same task, often the same states), which the trainer then
-        runs once. Groups are shuffled anew each step (seeded by the policy version, so a resumed run shuffles
-        as the uninterrupted one would) and dealt to the part holding the fewest samples so far."""
-        groups: dict[str, list[int]] = {}
-        for i in sorted(mine):  # batch order, not the micro-batch planner's: the parts must not depend on it
-            groups.setdefault(samples[i].group_id, []).append(i)
-        k = max(1, min(self.alg.mini_batches, len({s.group_id for s in samples})))  # the same on every rank
-        g = torch.Generator().manual_seed(self.cfg.seed * 100_003 + self.version * 1009 + self.backend.dp_rank)
-        members = list(groups.values())
-        parts: list[list[int]] = [[] for _ in range(k)]
-        for j in torch.randperm(len(members), generator=g).tolist():
-            min(parts, key=len).extend(members[j])
-        return [sorted(p) for p in parts]
+        """This rank's mini-batches of whole groups, shuffled anew each step (seeded by the policy version)."""
+        seed = self.cfg.seed * 100_003 + self.version * 1009 + self.backend.dp_rank
+        return mini_batch_parts(samples, mine, self.alg.mini_batches, seed)
 
     # ---- steps ---------------------------------------------------------------------------------------------
 
@@ -344,7 +218,8 @@ class TrainerRank(WeightPublisher):
         sums, grad_norms, lrs = self._optimize(rl)
         self.version += 1
         self.optimizer_steps += len(grad_norms)
-        out: dict[str, Any] = {**self._summarize(rl, sums, grad_norms, lrs, t0), **gap}
+        summary = step_summary(self.alg, rl, sums, grad_norms, lrs, time.perf_counter() - t0, self.critic is not None)
+        out: dict[str, Any] = {**summary, **gap}
         if report:
             out[REPORTED_ADVANTAGES] = reported
         return out
@@ -362,21 +237,21 @@ class TrainerRank(WeightPublisher):
                 if s.loss_mask[t] and s.versions[t] == self.version:
                     total += abs(s.logprobs[t] - lp)
                     count += 1
-        summed = _host_all_reduce(torch.tensor([total, count], dtype=torch.float64), group=self.backend.dp_group)
+        summed = host_all_reduce(torch.tensor([total, count], dtype=torch.float64), group=self.backend.dp_group)
         return {"train/rollout_logprob_diff": float(summed[0] / summed[1])} if summed[1] else {}
 
-    def _prepare(self, samples: list[Sample]) -> _RLBatch:
+    def _prepare(self, samples: list[Sample]) -> RLBatch:
         """Under the weights from before this step: the micro-batch plan, the proximal / reference log-probs
         and values, advantages, and every per-token input of the loss."""
         alg = self.alg
-        prompts = _prompts(samples)
+        prompts = prompts_of(samples)
         mbs = self._plan(samples, shared=self._shares_prompts(grad=False), prompts=prompts)
         mine = [i for mb in mbs for i in mb]
         self.model.eval()
         prox = self._logprob_pass(self.model, samples, mbs) if alg.loss == "decoupled_ppo" else None
         ref = self._logprob_pass(self.ref, samples, mbs) if self.ref is not None else None
         values = self._value_pass(samples, mbs) if self.critic is not None else None
-        advs, returns, _ = self._advantages(samples, mine, prox, ref, values)
+        advs, returns, _ = shaped_advantages(self.alg, samples, mine, prox, ref, values, self._gather)
         fields: dict[str, dict[int, list[float]]] = {
             "loss_mask": {i: samples[i].loss_mask for i in mine},
             "behav": {i: samples[i].logprobs for i in mine},
@@ -389,10 +264,10 @@ class TrainerRank(WeightPublisher):
         if values is not None:
             fields["old_values"], fields["returns"] = values, returns
         model_tokens = [sum(s.loss_mask[1:]) for s in samples]
-        episode_w = self._episode_token_weights(samples, model_tokens) if alg.loss_agg == "episode_mean" else None
+        episode_w = episode_token_weights(samples, model_tokens) if alg.loss_agg == "episode_mean" else None
         if episode_w is not None:
             fields["token_weight"] = {i: [episode_w[i]] * len(samples[i].token_ids) for i in mine}
-        return _RLBatch(samples, mine, fields, model_tokens, episode_w, prompts, self._without_gradient(mine, advs))
+        return RLBatch(samples, mine, fields, model_tokens, episode_w, prompts, self._without_gradient(mine, advs))
 
     def _without_gradient(self, mine: list[int], advs: dict[int, list[float]]) -> set[int]:
         """This rank's samples whose every advantage is 0 (a GRPO/RLOO group whose episodes all returned the
@@ -409,7 +284,7 @@ class TrainerRank(WeightPublisher):
             return set()
         return {i for i in mine if not any(advs[i])}
 
-    def _optimize(self, rl: _RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
+    def _optimize(self, rl: RLBatch) -> tuple[dict[str, float], list[float], list[float]]:
         """`ppo_epochs` x `mini_batches` optimizer steps; returns the loss sums over all ranks, and each step's
         grad norm and lr."""
         sums = RankSums(RL_SUMS, self.backend.dp_group)
@@ -431,7 +306,8 @@ class TrainerRank(WeightPublisher):
                 )  # fmt: skip
                 if self.critic is not None:
                     batches = self._micro_batches(rl.samples, mbs, rl.fields)
-                    values = self.backend.forward_backward(self.critic, batches, partial(self._value_loss, denom=denom))
+                    value_loss = partial(loss_terms.value_loss, self.alg, denom=denom)
+                    values = self.backend.forward_backward(self.critic, batches, value_loss)
                     rows = [{**r, **v} for r, v in zip(rows, values, strict=True)]
                 for row in rows:
                     sums.add(row)
@@ -441,74 +317,8 @@ class TrainerRank(WeightPublisher):
                     self.critic_opt.step()
         return sums.all_reduce(), grad_norms, lrs
 
-    def _summarize(
-        self, rl: _RLBatch, m: dict[str, float], grad_norms: list[float], lrs: list[float], t0: float
-    ) -> dict[str, float]:
-        """The step's metrics: losses per optimizer step, token statistics per trained model token (over all
-        epochs)."""
-        samples = rl.samples
-        n_opt, tok = len(grad_norms), max(m["tokens"], 1.0)
-        elapsed = time.perf_counter() - t0
-        n_tokens = sum(len(s.token_ids) for s in samples)
-        out = {
-            "train/loss": m["loss"] / n_opt,
-            "train/pg_loss": m["pg_loss"] / n_opt,
-            "train/kl": m["kl"] / tok,
-            "train/entropy": m["entropy"] / tok,
-            "train/clip_frac": m["clipped"] / tok,
-            "train/dual_clip_frac": m["dual_clipped"] / tok,
-            "train/ratio_mean": m["ratio"] / tok,
-            "train/grad_norm": sum(grad_norms) / n_opt,
-            "train/lr": lrs[-1],
-            "train/optimizer_steps": float(n_opt),
-            "train/tokens": float(n_tokens),
-            "train/model_tokens": float(sum(rl.model_tokens)),  # the whole batch's, trained or skipped
-            "train/step_time": elapsed,
-            "train/tokens_per_s": n_tokens * self.alg.ppo_epochs / elapsed,
-            "train/zero_advantage_frac": m["skipped"] / max(len(samples), 1),  # samples the optimizer skipped
-        }
-        if self.alg.loss == "decoupled_ppo":
-            out["train/is_weight_mean"] = m["is_weight"] / tok
-            out["train/is_truncated_frac"] = m["is_truncated"] / tok
-        if self.critic is not None:
-            out["train/value_loss"] = m["value_loss"] / n_opt
-        return out
-
     def _rl_loss(self, batch: dict, logp: torch.Tensor, ent: torch.Tensor | None, denom: float):
-        """The policy loss of one micro-batch (its share of the mini-batch's, `denom` global) and its named sums."""
-        alg = self.alg
-        mask, seq = batch["loss_mask"], batch["seq_ids"]
-        w = self._weights(batch)
-        _check_device([logp, ent, w, *_compute_tensors(batch)], self.device, "loss inputs")
-        clip = {"clip_low": alg.clip_low, "clip_high": alg.clip_high, "dual_clip": alg.dual_clip}
-        if alg.loss == "decoupled_ppo":
-            pg, st = losses.decoupled_ppo_loss(
-                logp, batch["prox"], batch["behav"], batch["adv"], w, denom, seq,
-                is_truncation=alg.is_truncation, is_level=alg.is_level, **clip,
-            )  # fmt: skip
-        else:
-            pg, st = losses.ppo_clip_loss(logp, batch["behav"], batch["adv"], w, denom, **clip)
-        total = pg
-        old = batch["ref"] if "ref" in batch else batch.get("prox", batch["behav"])
-        kl_tok = losses.kl_penalty(logp, old, alg.kl_estimator)
-        if "ref" in batch and not alg.kl_in_reward:
-            total = total + alg.kl_coef * losses.aggregate(kl_tok, w, denom)
-        if alg.entropy_coef:
-            total = total - alg.entropy_coef * losses.aggregate(ent, w, denom)
-        sums = {"loss": total, "pg_loss": pg, "kl": (kl_tok * mask).sum(), "entropy": (ent * mask).sum(), **st}
-        _check_device(sums.values(), self.device, "loss outputs")
-        return total, sums  # sums stay on the device: RankSums copies them to the host once
-
-    def _weights(self, batch: dict) -> torch.Tensor:
-        """Per-token loss weights; episode_mean's come precomputed (they depend on the whole batch's episodes)."""
-        mask = batch["loss_mask"]
-        if "token_weight" in batch:
-            return mask * batch["token_weight"]
-        return losses.token_weights(mask, batch["seq_ids"], self.alg.loss_agg)
-
-    def _value_loss(self, batch: dict, v: torch.Tensor, _ent, denom: float):
-        loss = losses.value_loss(v, batch["old_values"], batch["returns"], self._weights(batch), denom)
-        return loss, {"value_loss": loss}
+        return loss_terms.rl_loss(self.alg, self.device, batch, logp, ent, denom)
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
         """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
@@ -523,7 +333,7 @@ class TrainerRank(WeightPublisher):
         self.sft_opt.zero_grad()
         sums = RankSums(SFT_SUMS, self.backend.dp_group)
         batches = self._micro_batches(samples, mbs, fields)
-        for row in self.backend.forward_backward(self.model, batches, partial(_sft_loss, denom=denom)):
+        for row in self.backend.forward_backward(self.model, batches, partial(loss_terms.sft_loss, denom=denom)):
             sums.add(row)
         lr = self.sft_opt.lr
         norm = self.sft_opt.step()
@@ -610,29 +420,3 @@ class TrainerRank(WeightPublisher):
             self.backend.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _sft_loss(batch: dict, logp: torch.Tensor, _ent, denom: float):
-    w = losses.token_weights(batch["loss_mask"], batch["seq_ids"], "token_mean")
-    _check_device([logp, w, *_compute_tensors(batch)], logp.device, "loss inputs")
-    loss = losses.sft_loss(logp, w, denom)
-    correct = ((logp > -0.6931) * batch["loss_mask"]).sum()  # p > 0.5: greedy-correct lower bound
-    return loss, {"loss": loss, "correct": correct}
-
-
-def _prompts(samples: list[Sample]) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Per sample, its prompt's rank in sorted order (equal prompts, equal keys; neighbouring keys share the most
-    tokens, which the trainer then runs once) and the prompt. A prompt is the tokens before the first loss
-    token."""
-    prompts = []
-    for s in samples:
-        first = s.loss_mask.index(1) if 1 in s.loss_mask else len(s.loss_mask)
-        prompts.append(tuple(s.token_ids[:first]))
-    rank = {p: k for k, p in enumerate(sorted(set(prompts)))}
-    return [rank[p] for p in prompts], prompts
-
-
-def _with_reward(s: Sample, reward: float) -> Sample:
-    from dataclasses import replace
-
-    return replace(s, reward=reward)
