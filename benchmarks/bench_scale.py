@@ -192,11 +192,7 @@ async def run_cell(episodes: int, managers: int, latency_ms: float, turns: int, 
     tok = AutoTokenizer.from_pretrained(model)
     answer = [*tok("<answer>ok</answer>", add_special_tokens=False)["input_ids"], tok.eos_token_id]
     engine = ray.remote(ScriptedEngine).options(max_concurrency=100_000, num_cpus=0).remote(answer, latency_ms / 1000)
-    router = (
-        ray.remote(PidRouter)
-        .options(max_concurrency=100_000, num_cpus=0)
-        .remote([engine], request_timeout_s=cfg.rollout.request_timeout_s)
-    )
+    router = ray.remote(PidRouter).options(max_concurrency=100_000, num_cpus=0).remote([engine], cfg.rollout)
     cls = ray.remote(BenchManager).options(max_concurrency=100_000, num_cpus=0, runtime_env={"env_vars": worker_env()})
     mgrs = [cls.remote(cfg, model, router, None, i) for i in range(managers)]
     pids = {

@@ -17,8 +17,9 @@ from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import EngineDeadError, EngineError, RetryableEngineError
 from agentrl.rollout.engine_client import EngineClient
 from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.health import HealthPolicy, fleet_metrics
 from agentrl.rollout.partial import generate_resumable
-from agentrl.rollout.router import Router, fleet_metrics
+from agentrl.rollout.router import Router
 from agentrl.rollout.turn_mailbox import TurnMailbox, portable_error
 from agentrl.types import GenOutput
 from tests.conftest import TEST_KV_CACHE_GIB
@@ -123,9 +124,15 @@ def _fakes(ray, n: int) -> list:
     return engines
 
 
-def _router(ray, engines: list, **kwargs):
-    kwargs = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "restart_backoff_s": 0.1, **kwargs}
-    router = ray.remote(Router).options(max_concurrency=1000, num_cpus=0).remote(engines, **kwargs)
+def _router(ray, engines: list, restart=None, max_restarts: int = 0, **health):
+    """A router actor with quick health rounds; `health`: HealthPolicy fields."""
+    policy = HealthPolicy(**{"interval_s": 0.2, "timeout_s": 2.0, "restart_backoff_s": 0.1, **health})
+    cfg = RolloutConfig(restart_engines=max_restarts)
+    router = (
+        ray.remote(Router)
+        .options(max_concurrency=1000, num_cpus=0)
+        .remote(engines, cfg, restart=restart, health=policy)
+    )
     _made.append(router)  # restarted engines are the router's own actors and go with it
     return router
 
@@ -162,7 +169,7 @@ async def test_fake_actor_death_counted_and_restarted_with_latest_weights(ray_se
 
 async def test_fake_core_death_in_update_weights_drains_and_does_not_raise(ray_session):
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, health_interval_s=60.0)
+    router = _router(ray_session, engines, interval_s=60.0)
     await engines[1].break_core.remote()
     await router.update_weights.remote("/weights/v1", 1)  # raised EngineDeadError out of the router before
     assert await router.alive.remote() == [True, False]
@@ -214,7 +221,7 @@ async def test_fake_drained_engine_rejoins_while_a_request_waits(ray_session):
     """A drained engine that answers health checks again rejoins (with the latest weights) and serves the request
     that was waiting for a live engine."""
     (engine,) = _fakes(ray_session, 1)
-    router = _router(ray_session, [engine], no_engine_wait_s=10.0, stuck_checks=1000, health_timeout_s=0.5)
+    router = _router(ray_session, [engine], no_engine_wait_s=10.0, stuck_checks=1000, timeout_s=0.5)
     await router.update_weights.remote("/weights/v2", 2)
     await engine.set_health.remote("hang")
     status, events = await _until(router, lambda s: s["live"] == 0, 10)
@@ -230,7 +237,7 @@ async def test_fake_drained_engine_rejoins_while_a_request_waits(ray_session):
 
 async def test_fake_stuck_engine_is_restarted_after_stuck_checks(ray_session):
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=1, stuck_checks=2, health_timeout_s=0.5)
+    router = _router(ray_session, engines, restart=FakeFactory(), max_restarts=1, stuck_checks=2, timeout_s=0.5)
     await router.check_health.remote()
     await engines[0].set_health.remote("hang")
     status, events = await _until(router, lambda s: s["restarts"] == 1, 20)
@@ -362,7 +369,7 @@ async def test_a_turn_the_client_gives_up_on_is_stopped_on_the_engine(ray_sessio
 
 async def test_fake_direct_call_reports_a_dead_core_and_the_retry_lands_elsewhere(ray_session):
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, health_interval_s=60.0)  # only the client's report can find it
+    router = _router(ray_session, engines, interval_s=60.0)  # only the client's report can find it
     client = EngineClient(router, poll_s=0.05)
     first = await client.generate("ep", PROMPT, QUICK, "r0")
     await engines[first.engine].break_core.remote()
@@ -379,7 +386,7 @@ async def test_fake_direct_call_to_an_engine_the_router_drains_fails_instead_of_
     """The engine hangs mid-request and stops answering health checks: the router drains it, and the client's
     waiting call fails within a poll (its retry goes to the live engine), long before the request timeout."""
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, stuck_checks=1000, health_timeout_s=0.5)
+    router = _router(ray_session, engines, stuck_checks=1000, timeout_s=0.5)
     client = EngineClient(router, poll_s=0.05, request_timeout_s=600)
     first = await client.generate("ep", PROMPT, QUICK, "r0")
     stuck = engines[first.engine]
@@ -402,7 +409,7 @@ async def test_fake_direct_call_to_an_engine_the_router_drains_fails_instead_of_
 
 async def test_fake_direct_call_to_a_killed_actor_is_retryable_and_counted(ray_session):
     engines = _fakes(ray_session, 2)
-    router = _router(ray_session, engines, health_interval_s=60.0)
+    router = _router(ray_session, engines, interval_s=60.0)
     client = EngineClient(router, poll_s=0.05)
     first = await client.generate("ep", PROMPT, QUICK, "r0")
     ray_session.kill(engines[first.engine])
@@ -433,7 +440,7 @@ async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fl
     (victim,) = start_engines(cfg, tiny_model_path, seed=1, count=1)
     # The health loop would find the dead core too, and kill the actor this test polls: this drill is about
     # update_weights meeting the dead core, so the health loop stays out of the way (one round per 60 s).
-    router = start_router([fleet_engines[0], victim], cfg, model_path=tiny_model_path, health_interval_s=60)
+    router = start_router([fleet_engines[0], victim], cfg, model_path=tiny_model_path, interval_s=60)
     try:
         version = (await fleet_engines[0].stats.remote())["version"]  # the shared engine keeps its version
         await router.update_weights.remote(tiny_model_path, version)
@@ -486,8 +493,8 @@ async def test_an_ok_health_reply_sent_before_a_death_does_not_revive_the_engine
     """Race seen under load: a health check in flight when the engine died came back OK afterwards and put the
     dead engine back into rotation, so the next request went to it."""
     handle = DyingWhileCheckedHandle()
-    router = Router([handle], health_interval_s=3600, no_engine_wait_s=0.1)
-    check = asyncio.ensure_future(router._check(router._slots[0]))  # its reply is in flight
+    router = Router([handle], health=HealthPolicy(interval_s=3600, no_engine_wait_s=0.1))
+    check = asyncio.ensure_future(router.health.check(router.health.slots[0]))  # its reply is in flight
     with pytest.raises(RetryableEngineError, match="engine 0 died"):
         await router.generate("ep", PROMPT, QUICK, "r0")
     handle.reply.set()  # the stale OK arrives
@@ -495,6 +502,6 @@ async def test_an_ok_health_reply_sent_before_a_death_does_not_revive_the_engine
     await router.check_health()
     assert await router.alive() == [False]
     assert (await router.fleet_status())["deaths"] == 1
-    for task in [router._health_task, *router._tasks]:
+    for task in [router.health._health_task, *router.health._tasks]:
         if task is not None:
             task.cancel()

@@ -24,7 +24,7 @@ from typing import Any
 
 from agentrl.config.schema import SamplingConfig
 from agentrl.rollout.base import Lease, RetryableEngineError
-from agentrl.rollout.router import as_engine_error, is_engine_death, short_error
+from agentrl.rollout.health import as_engine_error, is_engine_death, short_error
 from agentrl.rollout.turn_mailbox import TurnRequest
 from agentrl.types import GenOutput
 

@@ -11,7 +11,8 @@ from agentrl.config.schema import RolloutConfig
 from agentrl.models.hub import hub_env
 from agentrl.placement import Placement, create_placement
 from agentrl.platform import Platform, cluster_platform
-from agentrl.rollout.router import EngineFactory, Router
+from agentrl.rollout.health import EngineFactory, HealthPolicy
+from agentrl.rollout.router import Router
 
 
 def engine_class(backend: str) -> type:
@@ -157,23 +158,18 @@ def start_engines(
 
 
 def start_router(
-    engines: list[Any], cfg: RolloutConfig, model_path: str | None = None, seed: int = 0, **router_kwargs: Any
+    engines: list[Any], cfg: RolloutConfig, model_path: str | None = None, seed: int = 0, **health_overrides: Any
 ) -> Any:
     """The router actor. With `model_path` (and the `seed` given to start_engines) it restarts a dead engine up to
     rollout.restart_engines times, in the dead engine's placement bundle when `engines` came from create_engines;
-    without, dead engines are only drained and reported."""
+    without, dead engines are only drained and reported. `health_overrides`: HealthPolicy fields (tests)."""
     restart = None
     if model_path is not None:
         platform, placement = getattr(engines, "platform", None), getattr(engines, "placement", None)
         restart = engine_factory(cfg, model_path, seed, platform, placement)
+    health = HealthPolicy(**health_overrides)
     return (
         ray.remote(Router)
         .options(max_concurrency=100_000, num_cpus=0)
-        .remote(
-            list(engines),
-            request_timeout_s=cfg.request_timeout_s,
-            restart=restart,
-            max_restarts=cfg.restart_engines,
-            **router_kwargs,
-        )
+        .remote(list(engines), cfg, restart=restart, health=health)
     )

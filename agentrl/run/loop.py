@@ -30,7 +30,7 @@ from agentrl.config import Config
 from agentrl.console import RunView
 from agentrl.envmanager.manager import FirstOfKind, evaluate
 from agentrl.metrics import MetricsSink
-from agentrl.rollout.router import fleet_metrics
+from agentrl.rollout.health import fleet_metrics
 from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.run.episode_log import EpisodeLog, TokenTexts, advantages_by_episode, pick, sample_indices
 from agentrl.run.parts import RunParts
