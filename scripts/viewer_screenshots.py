@@ -1,5 +1,5 @@
-"""Screenshots of `agentrl view` for the README and the docs: the curves and one episode of RUN_DIR, as headless chromium shows
-them (Debian's chromium and chromedriver, through selenium).
+"""Screenshots of `agentrl view` for the README and the docs: the curves and one episode of RUN_DIR, as headless
+chromium shows them (Debian's chromium and chromedriver, through selenium).
 
     python scripts/viewer_screenshots.py RUN_DIR OUT_DIR [--step N] [--pick best]
 """
