@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
 
 from agentrl.envs.env_calls import EnvCallTimeout
@@ -131,9 +131,6 @@ class AgentEpisodes:
         return self._agents[ref]
 
     async def _run(self, spec: EpisodeSpec, ep: Episode, agent: str) -> None:
-        import openai
-
-        fn = None if is_command(agent) else self.agent(agent)
         off_loop = self.runner.off_loop
         t0 = time.perf_counter()
         env = await off_loop(self.runner.make_env, spec.env_id, spec.env_kwargs)
@@ -146,36 +143,7 @@ class AgentEpisodes:
         box = self.runner.toolboxes.get(tuple(spec.tool_sets))
         if box is not None:
             await box.open_session(spec.episode_id)
-        ended = False
-
-        async def step(action: str) -> StepResult:
-            nonlocal ended
-            if ended:
-                raise EpisodeEnded("the episode's env has ended; no more steps")
-            t = time.perf_counter()
-            o, r, terminated, truncated, i = await off_loop(env.step, action)
-            ep.timings["env"] += time.perf_counter() - t
-            ep.env_return += float(r)
-            if session.transcript.turns:
-                session.transcript.turns[-1].reward += float(r)
-            ep.metrics.update({k: float(v) for k, v in (i.get("metrics") or {}).items()})
-            ended = bool(terminated or truncated)
-            if truncated and not terminated:
-                ep.truncation = "env_truncated"
-            return StepResult(str(o), float(r), ended, dict(i))
-
-        async def call_tool(name: str, arguments: dict) -> str:
-            if box is None:
-                raise ValueError(f"env {spec.env_id} has no tools configured (envs.<split>.{spec.tag}.tools)")
-            from agentrl.envmanager.episode import tool_contents
-            from agentrl.tools import ToolCall
-
-            t = time.perf_counter()
-            (content,) = await tool_contents(box, [ToolCall(name, arguments)], 1, spec.episode_id)
-            ep.timings["tool"] += time.perf_counter() - t
-            ep.tool_calls += 1
-            return content
-
+        playing = _PlayedEnv(env, ep, session, box, spec, off_loop)
         task = AgentTask(
             prompt=str(obs),
             system_prompt=env.system_prompt() if hasattr(env, "system_prompt") else "",
@@ -185,27 +153,17 @@ class AgentEpisodes:
             tools=box.schemas() if box is not None else [],
             base_url=f"{self.gateway.url}/v1",
             api_key=session.key,
-            _step=step,
-            _tool=call_tool,
+            _step=playing.step,
+            _tool=playing.call_tool,
         )
-        session.step = step
+        session.step = playing.step
         # what a command gets as AGENTRL_TASK: its own OPENAI_BASE_URL / OPENAI_API_KEY tell it where and who it is
-        session.task = {
-            k: v for k, v in asdict(task).items() if not k.startswith("_") and k not in ("api_key", "base_url")
-        }
+        hidden = ("api_key", "base_url")  # (not asdict: it would deep-copy the env behind task.step)
+        shown = [f.name for f in fields(task) if f.name[0] != "_" and f.name not in hidden]
+        session.task = {name: getattr(task, name) for name in shown}
         result: Any = None
         try:
-            if fn is None:
-                result = await self._command(agent, session)
-            else:
-                client = openai.AsyncOpenAI(
-                    base_url=task.base_url,
-                    api_key=session.key,
-                    max_retries=0,
-                    timeout=self.timeout_s,
-                    http_client=self._http[hash(spec.episode_id) % HTTP_POOLS],
-                )
-                result = await asyncio.wait_for(fn(client, task), self.timeout_s)
+            result = await self._play(agent, task, session, spec.episode_id)
         except (asyncio.CancelledError, TimeoutError):
             raise
         except Exception:
@@ -222,6 +180,21 @@ class AgentEpisodes:
         if session.limit is not None:
             ep.truncation = session.limit  # type: ignore[assignment]
         self._score(ep, result, agent)
+
+    async def _play(self, agent: str, task: AgentTask, session: Session, episode_id: str) -> Any:
+        """Run the agent program (a command, or a function given an OpenAI client on the gateway); its result."""
+        if is_command(agent):
+            return await self._command(agent, session)
+        import openai
+
+        client = openai.AsyncOpenAI(
+            base_url=task.base_url,
+            api_key=session.key,
+            max_retries=0,
+            timeout=self.timeout_s,
+            http_client=self._http[hash(episode_id) % HTTP_POOLS],
+        )
+        return await asyncio.wait_for(self.agent(agent)(client, task), self.timeout_s)
 
     async def _command(self, agent: str, session: Session) -> Any:
         """Run an agent command (agentrl.gateway.commands); its reward from its output, else None (the env's)."""
@@ -275,3 +248,39 @@ class AgentEpisodes:
     async def aclose(self) -> None:
         for http in self._http:
             await http.aclose()
+
+
+class _PlayedEnv:
+    """The env an agent plays, behind `task.step` and `task.call_tool`: each call bounded like the env loop's, its
+    reward credited to the last model turn, its metrics and timings to the episode."""
+
+    def __init__(self, env: Any, ep: Episode, session: Session, box: Any, spec: EpisodeSpec, off_loop: Any) -> None:
+        self.env, self.ep, self.session, self.box, self.spec, self.off_loop = env, ep, session, box, spec, off_loop
+        self.ended = False
+
+    async def step(self, action: str) -> StepResult:
+        if self.ended:
+            raise EpisodeEnded("the episode's env has ended; no more steps")
+        ep, t = self.ep, time.perf_counter()
+        o, r, terminated, truncated, i = await self.off_loop(self.env.step, action)
+        ep.timings["env"] += time.perf_counter() - t
+        ep.env_return += float(r)
+        if self.session.transcript.turns:
+            self.session.transcript.turns[-1].reward += float(r)
+        ep.metrics.update({k: float(v) for k, v in (i.get("metrics") or {}).items()})
+        self.ended = bool(terminated or truncated)
+        if truncated and not terminated:
+            ep.truncation = "env_truncated"
+        return StepResult(str(o), float(r), self.ended, dict(i))
+
+    async def call_tool(self, name: str, arguments: dict) -> str:
+        if self.box is None:
+            raise ValueError(f"env {self.spec.env_id} has no tools configured (envs.<split>.{self.spec.tag}.tools)")
+        from agentrl.envmanager.episode import tool_contents
+        from agentrl.tools import ToolCall
+
+        t = time.perf_counter()
+        (content,) = await tool_contents(self.box, [ToolCall(name, arguments)], 1, self.spec.episode_id)
+        self.ep.timings["tool"] += time.perf_counter() - t
+        self.ep.tool_calls += 1
+        return content
