@@ -59,9 +59,8 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
-    """The viewer of `run_dir`; with `token`, every route but /health and the static assets needs it."""
-    run_dir = run_dir.resolve()
+def _token_check(token: str | None):
+    """The dependency that guards the routes: the token as a bearer header or a `token` query parameter."""
 
     def authorized(request: Request, token_param: Annotated[str | None, Query(alias="token")] = None) -> None:
         if token is None:
@@ -71,9 +70,26 @@ def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
         if not hmac.compare_digest(given.encode(), token.encode()):
             raise HTTPException(401, "a token is needed: open the page as /?token=... or send a bearer header")
 
+    return authorized
+
+
+def _inside(run_dir: Path, name: str) -> Path:
+    """The file `name` of the run dir, links resolved; 403 for anything that leaves it, 404 for no such file."""
+    path = (run_dir / name).resolve()
+    if not path.is_relative_to(run_dir) or path == run_dir:
+        raise HTTPException(403, "only files inside the run dir are served")
+    if not path.is_file():
+        raise HTTPException(404, f"no file {name} in the run dir")
+    return path
+
+
+def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
+    """The viewer of `run_dir`; with `token`, every route but /health and the static assets needs it."""
+    run_dir = run_dir.resolve()
+
     app = FastAPI(title="agentrl view", docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
-    guarded = [Depends(authorized)]
+    guarded = [Depends(_token_check(token))]
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -117,12 +133,7 @@ def build_app(run_dir: Path, token: str | None = None) -> FastAPI:
     @app.get("/api/files/{name:path}", dependencies=guarded)
     def files(name: str) -> FileResponse:
         """A file of the run dir (config.yaml, curves.png, ...); nothing outside it."""
-        path = (run_dir / name).resolve()
-        if not path.is_relative_to(run_dir) or path == run_dir:
-            raise HTTPException(403, "only files inside the run dir are served")
-        if not path.is_file():
-            raise HTTPException(404, f"no file {name} in the run dir")
-        return FileResponse(path)
+        return FileResponse(_inside(run_dir, name))
 
     return app
 
