@@ -28,7 +28,7 @@ import ray
 
 from agentrl.config import load_config
 from agentrl.envs.long_tail import episode_plan
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.buffer import admission_limit
 from agentrl.run.loop import Pipeline
 from agentrl.run.parts import start_parts

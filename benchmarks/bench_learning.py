@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 
 VAL_SEED_STRIDE = 100_000  # held-out level draws of different seeds do not overlap
 

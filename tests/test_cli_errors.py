@@ -17,7 +17,7 @@ import yaml
 from agentrl.config import Config, ConfigError, load_config
 from agentrl.envs import register_env
 from agentrl.envs.sokoban.env import SokobanEnv
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from tests.cli_run import agentrl, assert_one_line_error
 
 ROOT = Path(__file__).resolve().parents[1]

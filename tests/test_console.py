@@ -16,7 +16,7 @@ import time
 import pytest
 from rich.console import Console
 
-from agentrl.console import RunView, fit
+from agentrl.observe.console import RunView, fit
 from tests.cli_run import ROOT
 
 WIDTH = 72

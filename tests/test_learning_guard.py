@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from tests.cli_run import ROOT
 
 WARM_START = Path(__file__).parent / "data" / "math_tools_warm_start"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from tests.cli_run import ROOT, agentrl, assert_one_line_error
 
 EXAMPLE = ROOT / "examples" / "sokoban_megatron.yaml"

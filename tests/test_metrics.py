@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agentrl.console import RunView
-from agentrl.metrics import MetricsSink, read_jsonl
+from agentrl.observe.console import RunView
+from agentrl.observe.metrics import MetricsSink, read_jsonl
 
 
 def test_jsonl_and_tensorboard(tmp_path):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import load_config
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.loop import Pipeline
 from agentrl.run.parts import start_parts
 from agentrl.run.warm_start import is_cached, warm_start_cache

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.state import latest_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]

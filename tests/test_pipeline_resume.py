@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.state import latest_checkpoint
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from agentrl.config import load_config
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.buffer import RolloutStalled
 from agentrl.run.loop import Pipeline
 from agentrl.run.parts import RunParts

@@ -17,7 +17,7 @@ import pytest
 
 from agentrl.config import ConfigError
 from agentrl.config.schema import Config, LoggingConfig
-from agentrl.metrics import MetricsSink, flatten_config
+from agentrl.observe.metrics import MetricsSink, flatten_config
 
 STEPS = {
     1: {"episode/return": 0.5, "val/success": 0.25, "timing/step_s": 1.5},

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.metrics import read_jsonl
+from agentrl.observe.metrics import read_jsonl
 from agentrl.run.state import latest_checkpoint
 from tests.cluster import TwoNodeCluster, two_node_cluster
 

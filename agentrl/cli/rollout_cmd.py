@@ -110,7 +110,7 @@ def _checkpoint_model_dir(path: str) -> Path:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from agentrl.metrics import plot_run
+    from agentrl.observe.metrics import plot_run
 
     print(plot_run(args.run_dir))
     return 0

@@ -287,7 +287,7 @@ class Evaluation(NamedTuple):
 async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = lambda: None) -> Evaluation:
     """`validation.episodes_per_tag` held-out episodes per val tag (the train tags when there are none),
     spread over the env managers; success and return per tag. tick() is called as each episode ends."""
-    from agentrl.step_metrics import validation_metrics
+    from agentrl.observe.step_metrics import validation_metrics
 
     v = cfg.validation
     envs, split = (cfg.envs.val, "val") if cfg.envs.val else (cfg.envs.train, "train")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from agentrl.config import Config, ConfigError, dump_yaml
-from agentrl.console import RunView, print_summary, run_summary
+from agentrl.observe.console import RunView, print_summary, run_summary
 from agentrl.platform import configure_cpu_threads
 from agentrl.run.buffer import RolloutStalled
 from agentrl.run.loop import Pipeline

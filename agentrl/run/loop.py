@@ -27,9 +27,10 @@ from typing import Any
 
 from agentrl.batch_files import batch_path, save_batch
 from agentrl.config import Config
-from agentrl.console import RunView
 from agentrl.envmanager.manager import FirstOfKind, evaluate
-from agentrl.metrics import MetricsSink
+from agentrl.observe.console import RunView
+from agentrl.observe.metrics import MetricsSink
+from agentrl.observe.step_metrics import batch_metrics
 from agentrl.rollout.health import fleet_metrics
 from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.run.episode_log import EpisodeLog, TokenTexts, advantages_by_episode, pick, sample_indices
@@ -38,7 +39,6 @@ from agentrl.run.signals import StopSignals
 from agentrl.run.state import RunState, Snapshot, TaskSchedule, TrainedLog, load_run_state, save_run_state
 from agentrl.run.validation import Validation
 from agentrl.run.warm_start import warm_start
-from agentrl.step_metrics import batch_metrics
 from agentrl.types import REPORTED_ADVANTAGES, EpisodeFailure, Group
 
 

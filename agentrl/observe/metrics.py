@@ -1,4 +1,4 @@
-"""A run's metrics: one `log(step, metrics)` that fans out to the run's view (agentrl.console), a JSONL file,
+"""A run's metrics: one `log(step, metrics)` that fans out to the run's view (agentrl.observe.console), a JSONL file,
 TensorBoard and optional trackers; `read_jsonl` and `plot_run` read the file back.
 
 Metric names are a contract that tests and benchmarks read: `timing/...`, `throughput/...`, `idle/...`, etc.
@@ -219,7 +219,7 @@ class MetricsSink:
             self.backends.append(JsonlBackend(self.run_dir / "metrics.jsonl"))
         if tensorboard:
             self.backends.append(TensorBoardBackend(self.run_dir / "tensorboard"))
-        if console is not None:  # the run's view (agentrl.console): live progress on a TTY, plain lines elsewhere
+        if console is not None:  # the run view (agentrl.observe.console): progress on a TTY, plain lines elsewhere
             self.backends.append(console)
         try:
             for name in dict.fromkeys(trackers):

@@ -239,7 +239,7 @@ def run_summary(
     run_dir: Path, result: Mapping[str, Mapping[str, float]], view: RunView, wall_s: float, tensorboard: bool
 ) -> list[tuple[str, str]]:
     """Rows of the summary: held-out success before/after, best step, wall time, where things are, resume."""
-    from agentrl.metrics import plot_run
+    from agentrl.observe.metrics import plot_run
     from agentrl.run.state import latest_checkpoint
 
     first, last = result.get("first", {}), result.get("last", {})
