@@ -172,9 +172,9 @@ async def measure(model: str, path: str, syncs: int, copies: int) -> dict[str, A
     from agentrl.config.schema import RolloutConfig
     from agentrl.platform import CPU
     from agentrl.rollout.fleet import engine_kwargs, engine_options, start_router
+    from agentrl.run.weights import WeightSync
     from agentrl.trainer import TrainerGroup
     from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES
-    from agentrl.weights import WeightSync
 
     out: dict[str, Any] = {"model_path": path}
     rcfg = RolloutConfig(num_engines=1)

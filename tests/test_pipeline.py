@@ -22,7 +22,7 @@ from agentrl.observe.metrics import read_jsonl
 from agentrl.run.loop import Pipeline
 from agentrl.run.parts import start_parts
 from agentrl.run.warm_start import is_cached, warm_start_cache
-from agentrl.weights import weights_dir
+from agentrl.run.weights import weights_dir
 from tests.servers import free_port, wait_until_healthy
 
 CONFIG = Path(__file__).parent / "configs" / "tiny_pipeline.yaml"

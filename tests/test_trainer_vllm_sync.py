@@ -10,9 +10,9 @@ import pytest
 from agentrl.config import load_config
 from agentrl.config.schema import SamplingConfig
 from agentrl.platform import CPU
+from agentrl.run.weights import WeightSync
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Sample
-from agentrl.weights import WeightSync
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 

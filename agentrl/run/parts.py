@@ -76,8 +76,8 @@ def start_parts(cfg: Config, run_dir: Path) -> RunParts:
     weights while the trainer ranks start and the warm start runs, unless disk sync must first check that every
     engine sees the folder trainer rank 0 writes (one line before any engine loads)."""
     from agentrl.envmanager.manager import start_managers
+    from agentrl.run.weights import WeightSync
     from agentrl.trainer import TrainerGroup
-    from agentrl.weights import WeightSync
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.revision)
     # What actors get: a hub id stays one, resolved by each actor on its own node (a snapshot path is this one's)
