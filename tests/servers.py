@@ -1,7 +1,8 @@
-"""Helpers for tests that start real servers: a free loopback port, waiting for /health."""
+"""Helpers for tests that start real servers: a free loopback port, waiting for /health, waiting for a condition."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import time
@@ -26,3 +27,11 @@ def wait_until_healthy(proc: subprocess.Popen, base: str, timeout_s: float = 60.
             pass
         assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
         time.sleep(0.2)
+
+
+async def until(condition, what: str, timeout_s: float = 10.0) -> None:
+    """Wait for `condition()` (a loaded machine may take long), not for a fixed time; fail naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)

@@ -18,6 +18,7 @@ from agentrl.tools.calculator import calculator
 from agentrl.tools.client import _AiohttpTransport
 from agentrl.tools.serve import ServerThread
 from agentrl.tools.server import create_app
+from tests.servers import until
 
 RESULT = {"content": "ok", "ok": True, "error": None, "seconds": 0.0}
 
@@ -91,13 +92,6 @@ class RawServer:
         self.server.close()
 
 
-async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.005)
-
-
 async def test_keep_alive_reuses_one_connection():
     ports: list[int] = []
     with ServerThread(counting(create_app([calculator]), ports)) as url:
@@ -119,7 +113,7 @@ async def test_server_closing_idle_connections_gets_a_fresh_one():
         async with ToolClient(url, retries=1) as c:
             for _ in range(3):
                 assert (await c.call("calculator", {"expression": "6*7"})).content == "42"
-                await _until(lambda: not srv.server.server_state.connections, "the server to close the connection")
+                await until(lambda: not srv.server.server_state.connections, "the server to close the connection")
     assert len(ports) == 3 and len(set(ports)) == 3  # each call on a fresh connection, none answered twice
 
 

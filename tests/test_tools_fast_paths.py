@@ -19,6 +19,7 @@ from agentrl.tools import ToolClient, tool
 from agentrl.tools.calculator import calculator
 from agentrl.tools.serve import ServerThread
 from agentrl.tools.server import ServerLimits, create_app
+from tests.servers import until
 
 TOKEN = "fast-token-0123456789"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -251,14 +252,6 @@ async def _async(value):
     return value
 
 
-async def _until(condition, what: str, timeout_s: float = 10.0) -> None:
-    """Wait for `condition()` (a loaded machine may take long), not for a fixed time."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.001)
-
-
 async def test_client_timeouts_errors_and_pool_limit():
     async def slow(i: int, conn: int, request: bytes) -> bytes | None:
         await asyncio.sleep(0.1 if b'"n":1' in request else 2.0)
@@ -274,7 +267,7 @@ async def test_client_timeouts_errors_and_pool_limit():
     server = Scripted(slow)
     async with server as url, ToolClient(url, max_connections=1, retries=0) as c:
         first = asyncio.create_task(c.call("t", {"n": 1}))
-        await _until(lambda: server.requests == 1, "the first call to hold the connection")
+        await until(lambda: server.requests == 1, "the first call to hold the connection")
         r = await c.call("t", {"n": 1}, timeout_s=0.03)  # the one connection is busy for 0.1 s
         assert not r.ok and "timed out" in r.error
         waiting = asyncio.create_task(c.call("t", {"n": 1}))
