@@ -113,7 +113,7 @@ def load_tools_file(path: str | Path) -> list[Tool]:
 
 def enable_access_log(stream: Any = None) -> None:
     """One JSON object per request and line on stderr (method, path, status, ms, client); the lines of requests
-    that finish in the same event-loop turn arrive as one log record (see `_GuardMiddleware._flush_log`)."""
+    that finish in the same event-loop turn arrive as one log record (see `GuardMiddleware._flush_log`)."""
     if access_log.handlers:
         return
     handler = logging.StreamHandler(stream or sys.stderr)

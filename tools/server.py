@@ -213,7 +213,7 @@ def _add_guard(app: FastAPI, token: str | None, max_body_bytes: int, fast_calls:
     """Auth, the body-size limit and the tool-call fast path (one pure-ASGI middleware), and the bearer scheme
     in OpenAPI when a token is set."""
     _document_auth(app, token is not None)
-    app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=max_body_bytes, fast_calls=fast_calls)
+    app.add_middleware(GuardMiddleware, token=token, max_body_bytes=max_body_bytes, fast_calls=fast_calls)
 
 
 def _add_call_route(app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Limiter, timeout_s: float) -> FastCall:
@@ -274,7 +274,7 @@ def _document_auth(app: FastAPI, enabled: bool) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-class _GuardMiddleware:
+class GuardMiddleware:
     """Pure ASGI: bearer auth, body-size limit (Content-Length and streamed), the tool-call fast path, one JSON
     access-log line per request."""
 

@@ -2,7 +2,7 @@
 
 One WebSocket is one session with its own env instance (OpenEnv's model), so per-session concurrency is one
 call at a time by construction. The tool server's rules apply: a bearer token on everything but `/health`
-(its `_GuardMiddleware` for HTTP, the same check at the WebSocket handshake), a body/message size limit, a cap
+(its `GuardMiddleware` for HTTP, the same check at the WebSocket handshake), a body/message size limit, a cap
 on open sessions (503 at the handshake, with Retry-After), a cap on env calls running at once (a thread pool),
 and idle sessions expire. Bad input is a 4xx or an error frame, never a 500 or a dropped server.
 """
@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.websockets import WebSocketDisconnect
 
 from agentrl.envserve import protocol as P
-from agentrl.tools.server import _GuardMiddleware
+from agentrl.tools.server import GuardMiddleware
 
 
 @dataclass
@@ -167,7 +167,7 @@ def create_app(
     app.state.service = service
     _add_http_routes(app, service)
     _add_ws_route(app, service, token)
-    app.add_middleware(_GuardMiddleware, token=token, max_body_bytes=limits.max_body_bytes)
+    app.add_middleware(GuardMiddleware, token=token, max_body_bytes=limits.max_body_bytes)
     return app
 
 
