@@ -44,11 +44,22 @@ def check_cluster_resources(
     ro, tr = cfg.rollout, cfg.trainer
     engines = 0 if ro.backend == "remote" else ro.num_engines
     tp = ro.tensor_parallel_size
-    kinds = [  # (what, count, one actor's bundle, the setting that sized it)
+    kinds: Kinds = [
         ("rollout engine", engines, bundle(platform, tp, ro.ray_resources), "rollout"),
         ("trainer rank", tr.num_ranks, bundle(platform, 1, tr.ray_resources), "trainer"),
     ]
     device = platform.ray_resource if platform.is_accelerator else None
+    _check_totals(cfg, platform, kinds, device, cluster)
+    _check_nodes(kinds, device, nodes)
+
+
+Kinds = list[tuple[str, int, dict[str, float], str]]  # (what, count, one actor's bundle, the setting that sized it)
+
+
+def _check_totals(cfg: Config, platform: Platform, kinds: Kinds, device: str | None, cluster: Mapping) -> None:
+    """The cluster holds every resource the run asks for, in total; else one line naming the setting to change."""
+    (_, engines, _, _), (_, ranks, _, _) = kinds
+    tp = cfg.rollout.tensor_parallel_size
     problems: list[str] = []
     hints: dict[str, None] = {}
     for key in dict.fromkeys(k for _, count, b, _ in kinds if count for k in b):
@@ -57,7 +68,7 @@ def check_cluster_resources(
         if need <= have + 1e-9:
             continue
         if key == device:
-            why = f"{engines} rollout engines x {tp} + {tr.num_ranks} trainer ranks"
+            why = f"{engines} rollout engines x {tp} + {ranks} trainer ranks"
             lower = "lower rollout.num_engines, rollout.tensor_parallel_size or trainer.num_ranks"
             # no such device at all: the platform, not the counts, is the likely mistake
             hints[f"{platform_fix(cfg)}, or {lower}" if have == 0 else lower] = None
@@ -73,6 +84,10 @@ def check_cluster_resources(
         raise ConfigError(
             f"the run needs {'; '.join(problems)}: {' or '.join(hints)}, or add nodes with these resources"
         )
+
+
+def _check_nodes(kinds: Kinds, device: str | None, nodes: list[Mapping[str, float]]) -> None:
+    """Each actor's bundle fits on one node, as many times as the run asks for it."""
     for what, count, need, section in kinds:
         if not count or not need:
             continue
