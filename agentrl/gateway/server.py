@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.gateway import openai_api as api
-from agentrl.gateway.transcript import Transcript, template_message
+from agentrl.gateway.transcript import Prompt, Transcript, template_message
 from agentrl.rollout.partial import generate_resumable
 from agentrl.types import GenOutput
 
@@ -141,36 +141,8 @@ class Gateway:
 
     async def complete(self, session: Session, req: api.ChatRequest) -> Reply:
         """One model turn for `session`: render (reusing the episode's tokens), generate, record, answer."""
-        if req.model != self.model_name:
-            raise GatewayError(
-                404,
-                f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
-                "model_not_found",
-                "model",
-            )
-        if session.calls >= session.max_calls:
-            session.limit = "max_turns"
-            raise GatewayError(400, f"the episode's turn limit ({session.max_calls} calls) is reached", "max_turns")
-        session.calls += 1
         tools = req.template_tools()
-        try:
-            messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
-            prompt = session.transcript.prompt(messages, tools)
-        except Exception as err:  # a template that rejects these messages (roles out of order, ...)
-            raise GatewayError(
-                400, f"the chat template cannot render these messages: {err}", param="messages"
-            ) from None
-        room = self.max_total_tokens - len(prompt.token_ids)
-        if room <= 0:
-            session.limit = "max_total_tokens"
-            raise GatewayError(
-                400,
-                f"the episode's {self.max_total_tokens}-token limit is reached (prompt: "
-                f"{len(prompt.token_ids)} tokens)",
-                "context_length_exceeded",
-                "messages",
-            )
-        budget = min(session.sampling.max_tokens, req.token_limit or room, room)
+        prompt, budget = self._prompt(session, req, tools)
         sampling = session.sampling.model_copy(update={"max_tokens": budget})
         t0 = time.perf_counter()
         try:
@@ -201,6 +173,39 @@ class Gateway:
             pieces = [self.tokenizer.decode([t]) for t in out.token_ids]
             logprobs = api.logprobs_out(pieces, out.logprobs)
         return Reply(message, finish, usage, logprobs)
+
+    def _prompt(self, session: Session, req: api.ChatRequest, tools: list | None) -> tuple[Prompt, int]:
+        """The call's prompt (rendered by the transcript) and its token budget; a 4xx for the wrong model, an
+        episode past its turn or token limit, or messages the chat template rejects."""
+        if req.model != self.model_name:
+            raise GatewayError(
+                404,
+                f"model {req.model!r} does not exist; this gateway serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
+        if session.calls >= session.max_calls:
+            session.limit = "max_turns"
+            raise GatewayError(400, f"the episode's turn limit ({session.max_calls} calls) is reached", "max_turns")
+        session.calls += 1
+        try:
+            messages = [template_message(m.model_dump(exclude_none=True)) for m in req.messages]
+            prompt = session.transcript.prompt(messages, tools)
+        except Exception as err:  # a template that rejects these messages (roles out of order, ...)
+            raise GatewayError(
+                400, f"the chat template cannot render these messages: {err}", param="messages"
+            ) from None
+        room = self.max_total_tokens - len(prompt.token_ids)
+        if room <= 0:
+            session.limit = "max_total_tokens"
+            raise GatewayError(
+                400,
+                f"the episode's {self.max_total_tokens}-token limit is reached (prompt: "
+                f"{len(prompt.token_ids)} tokens)",
+                "context_length_exceeded",
+                "messages",
+            )
+        return prompt, min(session.sampling.max_tokens, req.token_limit or room, room)
 
     def _cut_at_stop(self, out: GenOutput, chat: ChatTokens, stops: list[str]) -> tuple[GenOutput, str, bool]:
         """The output up to the first stop string (its tokens through the one that completes it, as vLLM keeps
@@ -245,21 +250,7 @@ class Gateway:
         def session(authorization: str | None = Header(None)) -> Session:
             return gateway.session_for(authorization)
 
-        @app.exception_handler(GatewayError)
-        async def _gateway_error(request: Request, err: GatewayError) -> JSONResponse:
-            return err.response()
-
-        @app.exception_handler(RequestValidationError)
-        async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
-            first = err.errors()[0] if err.errors() else {}
-            where = ".".join(str(p) for p in first.get("loc", ())[1:])
-            message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
-            return JSONResponse(api.error_body(message, param=where or None), status_code=400)
-
-        @app.exception_handler(StarletteHTTPException)
-        async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
-            kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-            return JSONResponse(api.error_body(str(err.detail), kind), status_code=err.status_code)
+        _openai_error_bodies(app)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -373,3 +364,24 @@ class _BodyLimit:
 
     async def _refuse(self, scope: dict, receive: Any, send: Any, status: int, message: str) -> None:
         await JSONResponse(api.error_body(message), status_code=status)(scope, receive, send)
+
+
+def _openai_error_bodies(app: FastAPI) -> None:
+    """Every error as an OpenAI-style body: the gateway's own, request validation (400, naming the field) and
+    Starlette's (404 for an unknown route, 405, ...)."""
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(request: Request, err: GatewayError) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:])
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid")
+        return JSONResponse(api.error_body(message, param=where or None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return JSONResponse(api.error_body(str(err.detail), kind), status_code=err.status_code)
