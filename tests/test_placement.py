@@ -64,9 +64,7 @@ def test_engine_options_carry_the_platform_and_tensor_parallel_devices() -> None
     opts = engine_options(ro, CUDA, None, 0)
     assert opts["num_gpus"] == 2 and opts["resources"] == {"node2": 1.0} and opts["num_cpus"] == 0
     assert opts["runtime_env"]["env_vars"]["AGENTRL_PLATFORM"] == "cuda"
-    kw = engine_kwargs(ro, "/m", seed=3)
-    assert kw["tensor_parallel_size"] == 2 and kw["engine_kwargs"]["distributed_executor_backend"] == "mp"
-    assert "distributed_executor_backend" not in engine_kwargs(_cfg().rollout, "/m", seed=3)["engine_kwargs"]
+    assert engine_kwargs(ro, "/m", seed=3) == {"model_path": "/m", "cfg": ro, "seed": 3}  # one settings object
     cpu = engine_options(_cfg().rollout, CPU, None, 0)
     assert cpu["runtime_env"]["env_vars"]["AGENTRL_PLATFORM"] == "cpu" and "resources" not in cpu
     remote = _cfg(rollout={"backend": "remote", "url": "http://x", "tensor_parallel_size": 2}).rollout

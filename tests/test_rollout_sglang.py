@@ -15,7 +15,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from agentrl.config.schema import SamplingConfig
+from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import EngineError
 from agentrl.rollout.sglang_engine import SGLangEngine
 from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
@@ -113,7 +113,7 @@ def test_sglang_request_and_output_mapping():
 
 
 async def test_generate_with_fake_sglang(fake_sglang, tiny_model_path):
-    engine = SGLangEngine(tiny_model_path, max_model_len=512, seed=4, engine_kwargs={"tp_size": 1})
+    engine = SGLangEngine(tiny_model_path, RolloutConfig(max_model_len=512, engine_kwargs={"tp_size": 1}), seed=4)
     out = await engine.generate([1, 2, 3], SamplingConfig(max_tokens=4, temperature=1.0), "g1")
     fake = fake_sglang.instances[0]
     assert fake.kwargs["model_path"] == tiny_model_path and fake.kwargs["skip_tokenizer_init"] is True

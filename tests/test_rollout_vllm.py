@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from agentrl.config.schema import SamplingConfig
+from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import RetryableEngineError
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
@@ -169,13 +169,18 @@ def test_engine_kwargs_override_derived_settings_and_graphs_follow_the_platform(
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)  # the engine sets its process's; restored after
     user = {"dtype": "bfloat16", "enforce_eager": False, "max_model_len": 512, "block_size": 16}
-    args = vllm_engine.VLLMEngine(tiny_model_path, engine_kwargs=user)._engine_args
+    args = vllm_engine.VLLMEngine(tiny_model_path, RolloutConfig(engine_kwargs=user))._engine_args
     assert {k: args[k] for k in user} == user and args["model"] == tiny_model_path
     assert "TORCHDYNAMO_DISABLE" not in os.environ  # a compiled engine keeps torch.compile
     assert vllm_engine.VLLMEngine(tiny_model_path)._engine_args["enforce_eager"] is True  # CPU: nothing to capture
     assert os.environ["TORCHDYNAMO_DISABLE"] == "1"  # nor a sampler op to compile
     # the CPU KV cache in fractions of a GiB (vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB only)
-    assert vllm_engine.VLLMEngine(tiny_model_path, kv_cache_gib=0.25)._engine_args["kv_cache_memory_bytes"] == 2**28
+    quarter = RolloutConfig(kv_cache_gib=0.25)
+    assert vllm_engine.VLLMEngine(tiny_model_path, quarter)._engine_args["kv_cache_memory_bytes"] == 2**28
+    # tensor parallel inside a placement group: vLLM's own worker processes, not its Ray executor
+    assert "distributed_executor_backend" not in args
+    tp2 = vllm_engine.VLLMEngine(tiny_model_path, RolloutConfig(tensor_parallel_size=2))._engine_args
+    assert tp2["distributed_executor_backend"] == "mp" and tp2["tensor_parallel_size"] == 2
     monkeypatch.setattr(vllm_engine, "detect", lambda: platform_for("cuda", 1))
     monkeypatch.setattr(platform_for("cuda", 1).__class__, "vllm_env", lambda self: {})
     args = vllm_engine.VLLMEngine(tiny_model_path)._engine_args

@@ -36,21 +36,7 @@ def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0
         # rollout.url may list several servers, comma-separated: engine i talks to server i (round robin).
         urls = [u.strip() for u in (cfg.url or "").split(",") if u.strip()]
         return {"url": urls[index % len(urls)], "request_timeout_s": cfg.request_timeout_s, **cfg.engine_kwargs}
-    extra = dict(cfg.engine_kwargs)
-    if cfg.backend == "vllm" and cfg.tensor_parallel_size > 1:
-        # Inside a placement group vLLM would default to its Ray executor, whose workers ask Ray for devices this
-        # actor already holds (pending forever): TP runs in the actor's own worker processes instead.
-        extra.setdefault("distributed_executor_backend", "mp")
-    return {
-        "model_path": model_path,
-        "max_model_len": cfg.max_model_len,
-        "kv_cache_gib": cfg.kv_cache_gib,
-        "enforce_eager": cfg.enforce_eager,
-        "seed": seed,
-        "gpu_memory_utilization": cfg.gpu_memory_utilization,
-        "tensor_parallel_size": cfg.tensor_parallel_size,
-        "engine_kwargs": extra,
-    }
+    return {"model_path": model_path, "cfg": cfg, "seed": seed}
 
 
 class Engines(list):

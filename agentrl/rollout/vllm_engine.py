@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from agentrl.config.schema import SamplingConfig
+from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import detect
 from agentrl.rollout.base import (
@@ -40,26 +40,17 @@ def _prompt_form() -> Any:
 
 
 class VLLMEngine(TurnMailbox, GatedEngine):
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        max_model_len: int = 4096,
-        kv_cache_gib: float = 1.0,
-        enforce_eager: bool | None = None,
-        dtype: str = "auto",
-        seed: int = 0,
-        gpu_memory_utilization: float = 0.85,
-        tensor_parallel_size: int = 1,
-        engine_kwargs: dict[str, Any] | None = None,
-        version: int = 0,
-    ):
+    def __init__(self, model_path: str, cfg: RolloutConfig | None = None, *, seed: int = 0, version: int = 0):
+        """An engine for `model_path` as `cfg` (rollout.*) sets it up; `cfg.engine_kwargs` win over what is
+        derived here."""
         super().__init__(version)
+        cfg = cfg or RolloutConfig()
         self.platform = detect()
         for key, value in self.platform.vllm_env().items():
             os.environ.setdefault(key, value)
-        eager = self.platform.kind == "cpu" if enforce_eager is None else enforce_eager
-        eager = (engine_kwargs or {}).get("enforce_eager", eager)
+        user = dict(cfg.engine_kwargs)
+        eager = self.platform.kind == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager
+        eager = user.get("enforce_eager", eager)
         if eager and self.platform.kind == "cpu":
             # An eager model still meets torch.compile in vLLM's sampler (logprobs.batched_count_greater_than):
             # ~2.4 s of Dynamo + Inductor in each engine core's first request (a C++ build on a fresh machine)
@@ -67,14 +58,24 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
+        self._engine_args = {**self._derived_args(cfg, model_path, seed, eager), **user}
+        self._eos = eos_token_ids(model_path)
+        self._llm = None
+        self._start_seconds = 0.0
+        self._sampling_params: dict[str, Any] = {}  # SamplingConfig JSON -> vLLM SamplingParams (vLLM clones it)
+        self._broken = ""  # why a collective weight load failed half-way: the weights are a mix, never serve again
+        self._as_input: Any = None  # token ids -> what AsyncLLM.generate takes (set at start, by vLLM version)
+
+    def _derived_args(self, cfg: RolloutConfig, model_path: str, seed: int, eager: bool) -> dict[str, Any]:
+        """vLLM's engine arguments as agentrl sets them (the platform's dtype, graphs, KV cache, log-probs)."""
         derived = dict(
             model=model_path,
             skip_tokenizer_init=True,
-            dtype=("float32" if self.platform.kind == "cpu" else "bfloat16") if dtype == "auto" else dtype,
+            dtype="float32" if self.platform.kind == "cpu" else "bfloat16",
             # graphs pay off on accelerators; on CPU there are none to capture
             enforce_eager=eager,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=cfg.max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel_size,
             seed=seed,
             enable_prefix_caching=True,
             # vLLM's throughput log and Prometheus counters, updated per request and per engine step (~8% of this
@@ -96,18 +97,16 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             # prompt never hit the prefix cache; 32-token blocks do (measured ~25% faster Sokoban rollouts).
             # The CPU KV cache is zero-filled at start: ~2.5 s per GiB on our 2-core machines.
             **(
-                {"block_size": 32, "kv_cache_memory_bytes": int(kv_cache_gib * 2**30)}
+                {"block_size": 32, "kv_cache_memory_bytes": int(cfg.kv_cache_gib * 2**30)}
                 if self.platform.kind == "cpu"
-                else {"gpu_memory_utilization": gpu_memory_utilization}
+                else {"gpu_memory_utilization": cfg.gpu_memory_utilization}
             ),
         )
-        self._engine_args = {**derived, **(engine_kwargs or {})}  # the user's engine_kwargs win over derived ones
-        self._eos = eos_token_ids(model_path)
-        self._llm = None
-        self._start_seconds = 0.0
-        self._sampling_params: dict[str, Any] = {}  # SamplingConfig JSON -> vLLM SamplingParams (vLLM clones it)
-        self._broken = ""  # why a collective weight load failed half-way: the weights are a mix, never serve again
-        self._as_input: Any = None  # token ids -> what AsyncLLM.generate takes (set at start, by vLLM version)
+        if cfg.tensor_parallel_size > 1:
+            # Inside a placement group vLLM would default to its Ray executor, whose workers ask Ray for devices
+            # this actor already holds (pending forever): TP runs in the actor's own worker processes instead.
+            derived["distributed_executor_backend"] = "mp"
+        return derived
 
     async def start(self) -> dict[str, Any]:
         """Build the AsyncLLM (10-20 s on CPU); idempotent."""
