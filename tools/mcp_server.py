@@ -36,39 +36,11 @@ def add_mcp(app: Any, tools: list[Tool], sessions: SessionStore, limiter: Any, g
         ]
     )
 
-    def error(text: str) -> types.CallToolResult:
-        return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=True)
-
     async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
         return listing
 
     async def call_tool(ctx: Any, params: Any) -> types.CallToolResult:
-        t = by_name.get(params.name)
-        if t is None:
-            return error(f"unknown tool {params.name!r}; available tools: {', '.join(by_name) or 'none'}")
-        try:
-            args = t.validate(params.arguments or {})
-        except ValidationError as err:
-            return error(format_validation_error(t.name, err))
-        headers = getattr(ctx.request, "headers", None) or {}
-        session_id = headers.get(SESSION_HEADER) or headers.get("mcp-session-id")
-        try:
-            session = sessions.open(session_id) if session_id else None
-        except OverflowError as err:
-            return error(str(err))
-        timeout_s = t.timeout_s or limiter.limits.default_timeout_s
-        result: Any = None
-
-        async def run() -> Any:
-            nonlocal result
-            result = await t.run(args, session, timeout_s)
-            return None
-
-        answer = await limiter.run(run)
-        if result is None:  # the limiter answered instead: the server is busy
-            return error(answer.body.decode() if answer is not None else "server busy")
-        text = result.content if result.ok else f"error: {result.error or result.content}"
-        return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=not result.ok)
+        return await _call(by_name, sessions, limiter, ctx, params)
 
     server = Server("agentrl-tools", on_list_tools=list_tools, on_call_tool=call_tool)
     security = TransportSecuritySettings(enable_dns_rebinding_protection=False) if guarded else None
@@ -82,3 +54,42 @@ def add_mcp(app: Any, tools: list[Tool], sessions: SessionStore, limiter: Any, g
             yield
 
     return lifespan
+
+
+def _error(text: str) -> Any:
+    import mcp_types as types
+
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=True)
+
+
+async def _call(by_name: dict[str, Tool], sessions: SessionStore, limiter: Any, ctx: Any, params: Any) -> Any:
+    """One MCP tools/call: validated like the REST route, in the episode's session (the `Agentrl-Session` header,
+    else MCP's own session id), under the server's limiter and the tool's timeout."""
+    import mcp_types as types
+
+    t = by_name.get(params.name)
+    if t is None:
+        return _error(f"unknown tool {params.name!r}; available tools: {', '.join(by_name) or 'none'}")
+    try:
+        args = t.validate(params.arguments or {})
+    except ValidationError as err:
+        return _error(format_validation_error(t.name, err))
+    headers = getattr(ctx.request, "headers", None) or {}
+    session_id = headers.get(SESSION_HEADER) or headers.get("mcp-session-id")
+    try:
+        session = sessions.open(session_id) if session_id else None
+    except OverflowError as err:
+        return _error(str(err))
+    timeout_s = t.timeout_s or limiter.limits.default_timeout_s
+    result: Any = None
+
+    async def run() -> Any:
+        nonlocal result
+        result = await t.run(args, session, timeout_s)
+        return None
+
+    answer = await limiter.run(run)
+    if result is None:  # the limiter answered instead: the server is busy
+        return _error(answer.body.decode() if answer is not None else "server busy")
+    text = result.content if result.ok else f"error: {result.error or result.content}"
+    return types.CallToolResult(content=[types.TextContent(type="text", text=text)], is_error=not result.ok)

@@ -236,45 +236,17 @@ async def _run(
         start_new_session=True,  # its own process group: a timeout kills every child it forked too
         pass_fds=pass_fds,
     )
-    chunks: list[bytes] = []
-    size = 0
-    truncated = timed_out = False
-
-    async def feed() -> None:
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(code.encode("utf-8", errors="replace"))
-            await proc.stdin.drain()
-            proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):  # it died before reading everything; the output says why
-            pass
-
-    async def read_all() -> None:
-        nonlocal size, truncated
-        assert proc.stdout is not None
-        # to EOF even after truncating: asyncio reports the exit only once the pipe has closed, and a pipe left
-        # full is never seen to close (the call would then sit out the whole wall-time limit)
-        while chunk := await proc.stdout.read(65536):
-            if truncated:
-                continue
-            if size + len(chunk) > lim.max_output_bytes:
-                chunks.append(chunk[: lim.max_output_bytes - size])
-                size = lim.max_output_bytes
-                truncated = True
-                _kill(proc)  # no point letting it print gigabytes nobody reads
-                continue
-            chunks.append(chunk)
-            size += len(chunk)
-
-    feeder = asyncio.create_task(feed())
+    output = _Output(proc, lim.max_output_bytes)
+    timed_out = False
+    feeder = asyncio.create_task(_feed(proc, code))
     try:
-        await asyncio.wait_for(read_all(), lim.timeout_s)
+        await asyncio.wait_for(output.read_all(), lim.timeout_s)
         await asyncio.wait_for(proc.wait(), max(0.5, lim.timeout_s))
     except TimeoutError:
         timed_out = True
     finally:
         feeder.cancel()
-        killed = _kill(proc) or truncated
+        killed = _kill(proc) or output.truncated
         if proc.stdin is not None:
             proc.stdin.close()
         try:
@@ -284,8 +256,45 @@ async def _run(
             pass
         if killed and info_fd is not None:
             await _wait_for_init(info_fd)
-    text = b"".join(chunks).decode("utf-8", errors="replace")
-    return RunOutput(text, proc.returncode, timed_out=timed_out, truncated=truncated)
+    text = b"".join(output.chunks).decode("utf-8", errors="replace")
+    return RunOutput(text, proc.returncode, timed_out=timed_out, truncated=output.truncated)
+
+
+async def _feed(proc: asyncio.subprocess.Process, code: str) -> None:
+    """The snippet to the process's stdin, then EOF."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(code.encode("utf-8", errors="replace"))
+        await proc.stdin.drain()
+        proc.stdin.close()
+    except (BrokenPipeError, ConnectionResetError):  # it died before reading everything; the output says why
+        pass
+
+
+class _Output:
+    """A process's output, kept up to `max_bytes` (the process is killed once it prints more)."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, max_bytes: int) -> None:
+        self.proc, self.max_bytes = proc, max_bytes
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.truncated = False
+
+    async def read_all(self) -> None:
+        assert self.proc.stdout is not None
+        # to EOF even after truncating: asyncio reports the exit only once the pipe has closed, and a pipe left
+        # full is never seen to close (the call would then sit out the whole wall-time limit)
+        while chunk := await self.proc.stdout.read(65536):
+            if self.truncated:
+                continue
+            if self.size + len(chunk) > self.max_bytes:
+                self.chunks.append(chunk[: self.max_bytes - self.size])
+                self.size = self.max_bytes
+                self.truncated = True
+                _kill(self.proc)  # no point letting it print gigabytes nobody reads
+                continue
+            self.chunks.append(chunk)
+            self.size += len(chunk)
 
 
 async def _drain(stream: asyncio.StreamReader | None) -> None:
