@@ -236,3 +236,11 @@ def test_unset_learning_rates_follow_the_model(tmp_path) -> None:
     assert (kept.trainer.optim.lr, kept.trainer.sft.lr) == (2e-6, 1e-5)
     again = Config.model_validate(real.model_dump(by_alias=True))  # what a trainer rank receives
     assert again.trainer.optim.lr == 1e-6
+
+
+def test_an_episode_cap_beyond_the_engines_context_is_refused():
+    with pytest.raises(ValueError, match=r"envs.max_total_tokens \(8192\) exceeds rollout.max_model_len \(4096\)"):
+        Config.model_validate({"envs": {"max_total_tokens": 8192}})
+    Config.model_validate({"envs": {"max_total_tokens": 8192}, "rollout": {"max_model_len": 8192}})
+    remote = {"backend": "remote", "url": "http://x"}  # a remote server has its own context length
+    Config.model_validate({"envs": {"max_total_tokens": 8192}, "rollout": remote})

@@ -85,7 +85,7 @@ def test_refusal_names_remedies_that_fit() -> None:
     """A 7B model on 4 ranks of 40 GiB: the line names the settings to change, and each remedy with a value
     makes the trainer fit on its own."""
     cfg = load_config(CLUSTER, ["model.path=Qwen/Qwen2.5-7B-Instruct", "trainer.micro_batch_tokens=8192",
-                                "envs.max_total_tokens=8192"])  # fmt: skip
+                                "envs.max_total_tokens=8192", "rollout.max_model_len=8192"])  # fmt: skip
     dims = mp.load_dims(cfg.model.path)
     (line,) = mp.make_plan(cfg, dims, "cuda", 40 * GiB).problems
     assert line.startswith("trainer rank needs") and "of 40.0 GiB: " in line

@@ -553,6 +553,18 @@ class Config(Section):
         return self
 
     @model_validator(mode="after")
+    def _episodes_fit_the_engines(self) -> Config:
+        """An episode may grow to envs.max_total_tokens; an engine serves prompts up to rollout.max_model_len: a
+        longer cap would let late turns fail at the engine instead of ending the episode (truncation)."""
+        cap, room = self.envs.max_total_tokens, self.rollout.max_model_len
+        if self.rollout.backend != "remote" and cap > room:
+            raise ValueError(
+                f"envs.max_total_tokens ({cap}) exceeds rollout.max_model_len ({room}): the engines would reject an "
+                "episode's later turns; lower envs.max_total_tokens or raise rollout.max_model_len"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tool_sets_exist(self) -> Config:
         for tag, spec in {**self.envs.train, **self.envs.val}.items():
             for name in spec.tools:
