@@ -14,6 +14,7 @@ from agentrl.trainer import losses as L
 from agentrl.trainer.batching import collate, micro_batches, scatter_back, shard_indices
 from agentrl.trainer.optim import lr_factor
 from agentrl.types import Sample
+from tests.hf_models import load_causal_lm
 from tests.servers import free_port
 
 
@@ -282,7 +283,7 @@ def test_step_wise_samples_count_each_episode_once_in_the_group():
 def test_logprobs_at_loss_positions_equal_the_full_pass(tiny_model_path, layout) -> None:
     """The LM head runs only where the loss mask is set; those log-probs (and their gradients) must equal the
     ones of the full pass; columns no row trains on hold 0."""
-    from agentrl.trainer.model import forward_logprobs, load_causal_lm
+    from agentrl.trainer.model import forward_logprobs
 
     torch.manual_seed(0)
     model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
@@ -337,7 +338,7 @@ def test_shared_prompts_run_once_and_change_nothing(tiny_model_path, fsdp, repea
     from agentrl.trainer import prompt_sharing as PS
 
     torch.manual_seed(0)
-    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
     if fsdp:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -412,11 +413,10 @@ def test_tree_layout_runs_shared_context_tokens_once_and_each_row_sees_exactly_i
 def test_repeated_prompts_without_a_common_prefix_share_exactly(tiny_model_path) -> None:
     """Rows whose prompts repeat but start differently (no prefix cache): each distinct prompt runs once under
     the tree mask, and log-probs and gradients still equal the plain pass."""
-    from agentrl.trainer import model as M
     from agentrl.trainer import prompt_sharing as PS
 
     torch.manual_seed(0)
-    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
     a, b, c = [9, 10, 11, *range(70, 100)], [9, 10, 11, *range(80, 105)], [5, *range(90, 118)]
     contexts = [a, a, a, b, b, c]
     answers = [[200, 201, 2], [202, 2], [203, 204, 205, 2], [200, 2], [207, 208, 2], [1, 2]]
@@ -438,11 +438,10 @@ def test_contexts_sharing_a_path_or_nested_in_another_share_exactly(tiny_model_p
     """The trie case: contexts that share their first tokens after the common prefix, one context that is the
     start of another (its end is an inner node of the trie), and repeats. Log-probs and gradients equal the plain
     pass, and the shared tokens run once."""
-    from agentrl.trainer import model as M
     from agentrl.trainer import prompt_sharing as PS
 
     torch.manual_seed(0)
-    model = M.load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
+    model = load_causal_lm(tiny_model_path, torch.float32, torch.device("cpu"))
     prefix, grid = [3 + (7 * j) % 50 for j in range(24)], [60 + (5 * j) % 40 for j in range(12)]
     a = prefix + grid  # a state
     nested = [*a, 120, 121, 122]  # the same state with a "(visit k)" line: `a` is its start

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,12 +65,14 @@ def _loss_and_grads(model, batch) -> tuple[float, torch.Tensor]:
 def test_meta_init_and_rank0_broadcast_equal_a_direct_load(one_rank_group, tiny_model_path, role) -> None:
     """Every parameter bit-equal to from_pretrained's, the rotary buffers (not in the checkpoint, garbage
     after to_empty) recomputed, the tied head still tied, and the outputs identical."""
+    from tests.hf_models import load_causal_lm, load_value_model
+
     tc = TrainerConfig(activation_checkpointing=role == "policy")  # wrapper names must not leak into keys
     built = S.build_sharded(tiny_model_path, CPU_DEV, tc, CPU, role)
     if role == "critic":
-        direct = M.load_value_model(tiny_model_path, torch.float32, CPU_DEV)
+        direct = load_value_model(tiny_model_path, torch.float32, CPU_DEV)
     else:
-        direct = M.load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
+        direct = load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
     got, want = built.state_dict(), direct.state_dict()
     assert set(got) == set(want)
     assert all(torch.equal(_full(got[k]), want[k]) for k in want)
@@ -180,7 +183,9 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_softmax(temperature) -> No
 
 def test_forward_logprobs_in_chunks_equals_one_chunk(tiny_model_path, monkeypatch) -> None:
     """The model path (loss positions, padding) is unchanged when the vocabulary pass is split into chunks."""
-    model = M.load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
+    from tests.hf_models import load_causal_lm
+
+    model = load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
     b = _batch()
     lp1, ent1 = M.forward_logprobs(model, b, with_entropy=True)
     (g1,) = torch.autograd.grad((lp1 * b["loss_mask"]).sum(), model.model.embed_tokens.weight)
@@ -195,8 +200,9 @@ def test_packed_mask_is_dropped_only_for_flash_attention(tiny_model_path) -> Non
     """Flash-attention models read packed boundaries from the position ids; SDPA keeps the dense mask. On
     CPU the builder picks SDPA (FA2 needs CUDA, bf16 and flash-attn)."""
     from agentrl.platform import platform_for
+    from tests.hf_models import load_causal_lm
 
-    model = M.load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
+    model = load_causal_lm(tiny_model_path, torch.float32, CPU_DEV)
     packed, pad = collate([[5, 6, 7], [8, 9]], {}, "packed", 0), collate([[5, 6, 7], [8, 9]], {}, "pad", 0)
     assert M.model_mask(model, packed["attention_mask"]) is packed["attention_mask"]
     model.config._attn_implementation = "flash_attention_2"
@@ -329,14 +335,16 @@ def _two_rank_build(model_dir: str) -> dict:
     each rank's full tensors and outputs must equal a direct load (rank 1 received everything by broadcast)."""
     import torch.distributed as dist
 
+    from tests.hf_models import load_causal_lm, load_value_model
+
     dist.init_process_group("gloo")
-    direct = M.load_causal_lm(model_dir, torch.float32, CPU_DEV)
+    direct = load_causal_lm(model_dir, torch.float32, CPU_DEV)
     b = _batch()
     args = (b["input_ids"], b["attention_mask"], b["position_ids"])
     out = {}
     for role, ck in (("policy", True), ("reference", False), ("critic", True)):
         model = S.build_sharded(model_dir, CPU_DEV, TrainerConfig(activation_checkpointing=ck), CPU, role)
-        want = (M.load_value_model(model_dir, torch.float32, CPU_DEV) if role == "critic" else direct).state_dict()
+        want = (load_value_model(model_dir, torch.float32, CPU_DEV) if role == "critic" else direct).state_dict()
         got = model.state_dict()
         sharded = all(_full(v).shape != v.to_local().shape for k, v in got.items() if v.dim() and v.shape[0] > 1)
         equal = set(got) == set(want) and all(torch.equal(_full(got[k]), want[k]) for k in want)
@@ -373,6 +381,7 @@ def test_two_ranks_receive_their_shards_from_rank0(tiny_model_path) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: `tests` from the repo root
     if sys.argv[1] == "two_ranks":
         print(json.dumps(_two_rank_build(sys.argv[2])))
     elif sys.argv[1] == "logprob_memory":

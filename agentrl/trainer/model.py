@@ -1,4 +1,4 @@
-"""Loading HF causal LMs (policy, reference, critic), wrapping them with FSDP2, and per-token forward passes.
+"""The critic model, FSDP2 wrapping, and per-token forward passes of HF causal LMs (built by `sharding`).
 
 Per-token results are aligned with `token_ids` like `Sample.logprobs`: position t holds log pi(token_t |
 tokens before t), computed from the logits at t - 1; position 0 of every sequence holds 0
@@ -14,15 +14,6 @@ from torch import nn
 
 from agentrl.trainer.losses import MODEL_DIST, SamplingDist, token_logprobs
 from agentrl.trainer.prompt_sharing import SharingPlan, plan_sharing, shared_logits
-
-
-def load_causal_lm(path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """An HF causal LM with SDPA attention (it takes the 4D block-diagonal masks of packed micro-batches)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    model.config.use_cache = False
-    return model.to(device)
 
 
 class ValueModel(nn.Module):
@@ -42,13 +33,6 @@ class ValueModel(nn.Module):
         h = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         # A fresh tensor, not a view: FSDP2 hooks the root's output for backward.
         return self.value_head(h.last_hidden_state).squeeze(-1).clone()
-
-
-def load_value_model(path: str, dtype: torch.dtype, device: torch.device) -> ValueModel:
-    """A critic loaded directly (every rank reads the whole checkpoint): tests and single-process use."""
-    from transformers import AutoModel
-
-    return ValueModel(AutoModel.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")).to(device)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -96,7 +96,8 @@ def main() -> None:
     from agentrl.trainer.backends import create_backend
     from agentrl.trainer.backends.megatron import _unwrap
     from agentrl.trainer.losses import SamplingDist
-    from agentrl.trainer.model import forward_logprobs, forward_values, load_causal_lm, load_value_model
+    from agentrl.trainer.model import forward_logprobs, forward_values
+    from tests.hf_models import load_causal_lm, load_value_model
 
     path = resolve_model_path("builtin:tiny")
     cfg = Config.model_validate(
