@@ -235,10 +235,10 @@ class Pipeline:
         """Held-out episodes on the engines' current weights (those of `step`), logged at that step."""
         episodes = len(self.cfg.envs.val or self.cfg.envs.train) * self.cfg.validation.episodes_per_tag
         with self.view.phase(f"validation at step {step}", episodes, "episodes") as tick:
-            result, episodes = await evaluate(self.cfg, self.managers, tick)
+            result, records = await evaluate(self.cfg, self.managers, tick)
         self.sink.log(step, result)
         if self.episode_log.every_steps:
-            self.episode_log.write(step, "validation", pick(episodes, self.episode_log.per_tag, seed=step))
+            self.episode_log.write(step, "validation", pick(records, self.episode_log.per_tag, seed=step))
         if step == 0:
             self.state.first_val = result  # before RL
         return result
