@@ -72,3 +72,18 @@ def test_the_log_writes_lines_and_thins_older_files_past_its_cap(tmp_path):
     assert kept[0] == "step-000001.jsonl" and kept[-1] == "step-000008.jsonl"  # the first and the newest stay
     assert seen == [(s, "train", 2) for s in range(1, 9)]  # every write reached the trackers' hook
     json.dumps(lines)  # plain data
+
+
+def test_a_resumed_run_forgets_the_episodes_after_its_checkpoint(tmp_path):
+    log = EpisodeLog(tmp_path, every_steps=1, per_tag=1, max_mb=100)
+    records = [_record("a", 1.0)]
+    for step in (1, 2, 3):
+        log.write(step, "train", pick(records, 1, step))
+        log.write(step, "validation", pick(records, 1, step))
+    log.close()
+    log.forget_after(2)  # resumed at step 2: its validation runs again, steps after it are trained again
+    assert sorted(p.name for p in (tmp_path / "episodes").iterdir()) == ["step-000001.jsonl", "step-000002.jsonl"]
+    assert [e["phase"] for e in read_episodes(episodes_file(tmp_path, 2))] == ["train"]
+    assert [e["phase"] for e in read_episodes(episodes_file(tmp_path, 1))] == ["train", "validation"]
+    log.forget_after(-1)  # started anew
+    assert not list((tmp_path / "episodes").iterdir())

@@ -192,6 +192,17 @@ class EpisodeLog:
                 f.unlink(missing_ok=True)
             files = [*(f for f in older if f not in dropped), newest]
 
+    def forget_after(self, step: int) -> None:
+        """A run resumed at `step` (or started anew: -1) writes its episodes again from there: the files of later
+        steps go, and step `step`'s validation lines (its validation runs again)."""
+        for path in sorted(episodes_dir(self.run_dir).glob("step-*.jsonl")):
+            at = int(path.stem.removeprefix("step-"))
+            if at > step:
+                path.unlink()
+            elif at == step:
+                kept = [e for e in read_episodes(path) if e["phase"] == "train"]
+                path.write_text("".join(json.dumps(e) + "\n" for e in kept))
+
     def close(self) -> None:
         self._writer.shutdown(wait=True)
 

@@ -124,6 +124,7 @@ class Pipeline:
 
     async def _begin(self) -> None:
         self.trained_log.forget_after(0)  # a run killed before its first checkpoint starts again from scratch
+        self.episode_log.forget_after(-1)
         sft = self.cfg.trainer.sft
         warm = sft.enabled and sft.steps > 0
         if warm:
@@ -137,6 +138,7 @@ class Pipeline:
         self.state = snapshot.state
         print(f"agentrl: {snapshot.describe()}", flush=True)
         self.trained_log.forget_after(self.state.step)
+        self.episode_log.forget_after(self.state.step)
         await asyncio.to_thread(self.parts.loading.check)
         await self.weights.sync(self.state.step)  # a stop may have cut this step's validation short: run() reruns it
 
