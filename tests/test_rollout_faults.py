@@ -413,12 +413,26 @@ async def test_fake_direct_call_to_a_killed_actor_is_retryable_and_counted(ray_s
     client = EngineClient(router, poll_s=0.05)
     first = await client.generate("ep", PROMPT, QUICK, "r0")
     ray_session.kill(engines[first.engine])
+    await _until_dead(engines[first.engine])  # ray.kill returns at once; the actor dies a little later
     with pytest.raises(RetryableEngineError):
         await client.generate("ep", PROMPT, QUICK, "r1")
     status, _ = await _until(router, lambda s: s["deaths"] == 1, 5)
     assert status["live"] == 1
     assert (await client.generate("ep", PROMPT, QUICK, "r2")).engine == 1 - first.engine
     await client.close()
+
+
+async def _until_dead(actor, timeout_s: float = 30.0) -> None:
+    import ray.exceptions as rex
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            await actor.stats.remote()
+        except (rex.RayActorError, rex.ActorUnavailableError):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the killed actor still answers")
 
 
 # ---- real vLLM -----------------------------------------------------------------------------------------------

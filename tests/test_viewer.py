@@ -38,7 +38,8 @@ def tool_run(tmp_path_factory) -> Path:
     cmd = [sys.executable, "-m", "agentrl", "train", str(ROOT / "examples" / "math_tools.yaml"), *overrides]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert f"agentrl view {run_dir}" in res.stdout, "the end-of-run summary names the viewer"
+    summary = "".join(res.stdout.split())  # the table wraps long paths
+    assert f"viewer agentrl view {run_dir}".replace(" ", "") in summary, "the end-of-run summary names the viewer"
     return run_dir
 
 

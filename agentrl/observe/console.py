@@ -251,7 +251,7 @@ def run_summary(
     checkpoint = latest_checkpoint(run_dir)
     rows.append(("checkpoint", str(checkpoint) if checkpoint else "none"))
     rows.append(("plot", str(plot_run(run_dir))))
-    rows.append(("viewer", f"agentrl view {run_dir}  (curves, config, episodes in the browser)"))
+    rows.append(("viewer", f"agentrl view {run_dir}"))  # curves, config and episodes in the browser
     if tensorboard:
         rows.append(("TensorBoard", f"tensorboard --logdir {run_dir / 'tensorboard'}"))
     rows.append(("resume", f"agentrl train {run_dir / 'config.yaml'} --resume {run_dir}"))
