@@ -76,7 +76,7 @@ async def run_mode(mode: str, steps: int, root: Path, max_staleness: int) -> dic
         "weight_sync_s": mean(r["timing/weight_sync"] for r in timed),
         "staleness_max": max(r.get("staleness/max", 0.0) for r in timed),
         "partial_ratio": mean(r.get("partial/ratio", 0.0) for r in timed),
-        "llm_s_per_turn": mean(r["time/llm"] / r["episode/turns"] for r in timed),
+        "llm_s_per_turn": mean(r["timing/episode_llm"] / r["episode/turns"] for r in timed),
     }
 
 

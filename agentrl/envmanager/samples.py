@@ -19,7 +19,7 @@ def episode_metrics(ep: Episode, episode_return: float) -> dict[str, float]:
         "length": float(sum(len(t.token_ids) for t in ep.turns)),
         "tool_calls": float(ep.tool_calls),
         "resumes": float(sum(t.resumes for t in ep.turns)),
-        **{f"time/{k}": v for k, v in ep.timings.items()},
+        **{f"timing/episode_{k}": v for k, v in ep.timings.items()},
     }
 
 

@@ -21,19 +21,19 @@ def _by_tag(groups: list[Group]) -> dict[str, list[dict[str, float]]]:
 
 
 def batch_metrics(groups: list[Group], samples: list[Sample], trainer_version: int) -> dict[str, float]:
-    """`episode/*`, `time/*`, `reward/*` (reward functions' own metrics), `env/<tag>/*`, `staleness/*` and
-    `partial/*` of one training batch."""
+    """`episode/*`, `timing/episode_*` (seconds per episode in the model, the env, tools), `reward/*` (reward
+    functions' own metrics), `env/<tag>/*`, `staleness/*` and `partial/*` of one training batch."""
     episodes = [e for g in groups for e in g.episode_metrics]
     out: dict[str, float] = {}
     if episodes:
         for key in _EPISODE_KEYS:
             out[f"episode/{key}"] = mean(e.get(key, 0.0) for e in episodes)
         for key in _TIME_KEYS:
-            out[f"time/{key}"] = mean(e.get(f"time/{key}", 0.0) for e in episodes)
+            out[f"timing/episode_{key}"] = mean(e.get(f"timing/episode_{key}", 0.0) for e in episodes)
         for key in sorted({k for e in episodes for k in e if k.startswith("reward/")}):
             out[key] = mean(e[key] for e in episodes if key in e)
     for tag, eps in _by_tag(groups).items():
-        for key in {k for e in eps for k in e if not k.startswith(("time/", "reward/"))}:
+        for key in {k for e in eps for k in e if not k.startswith(("timing/", "reward/"))}:
             out[f"env/{tag}/{key}"] = mean(e.get(key, 0.0) for e in eps)
     stale = staleness(samples, trainer_version)
     if stale:

@@ -132,7 +132,7 @@ def step_summary(
         "train/optimizer_steps": float(n_opt),
         "train/tokens": float(n_tokens),
         "train/model_tokens": float(sum(rl.model_tokens)),  # the whole batch's, trained or skipped
-        "train/step_time": elapsed,
+        "timing/trainer_step": elapsed,  # inside the trainer ranks (timing/train: the loop's whole wait)
         "train/tokens_per_s": n_tokens * alg.ppo_epochs / elapsed,
         "train/zero_advantage_frac": m["skipped"] / max(len(samples), 1),  # samples the optimizer skipped
     }

@@ -346,7 +346,7 @@ class TrainerRank(WeightPublisher):
             "sft/token_acc": m["correct"] / max(denom, 1.0),
             "sft/grad_norm": norm,
             "sft/lr": lr,
-            "sft/step_time": elapsed,
+            "timing/sft_step": elapsed,
             "sft/tokens_per_s": n_tokens / elapsed,
         }
 
