@@ -80,7 +80,7 @@ class EpisodeSpec:
 
 @dataclass
 class Turn:
-    """One model turn: what the model saw and what it produced. Step-wise samples are built from turns."""
+    """One model turn: what the model saw and what it produced. Turn-wise samples are built from turns."""
 
     prompt_ids: list[int]  # the model's context this turn (the running history in trajectory mode)
     token_ids: list[int]
@@ -163,7 +163,7 @@ class Episode(Segment):
 
 @dataclass
 class Sample:
-    """One training sequence: a whole episode (trajectory-wise) or one turn with its context (step-wise).
+    """One training sequence: a whole episode (trajectory-wise) or one turn with its context (turn-wise).
 
     Per-token lists are aligned with `token_ids` as in `Episode`. Samples sharing a `group_id` were rolled out
     on the same task seed and form a GRPO group; samples sharing an `episode_id` are the turns of one episode

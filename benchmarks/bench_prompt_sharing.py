@@ -1,11 +1,11 @@
-"""The trainer's RL step on a step-wise batch three ways, interleaved in one process (1 rank, gloo, 1 thread):
+"""The trainer's RL step on a turn-wise batch three ways, interleaved in one process (1 rank, gloo, 1 thread):
 every row whole (`plain`), each distinct prompt once with every answer on a copy of its KV cache (`row`, the
 flash-attention layout), and each distinct prompt once with its answers side by side under a tree mask (`tree`,
 what SDPA models run).
 
     python benchmarks/bench_prompt_sharing.py [--groups 16] [--rounds 4]
 
-The batch mimics Sokoban's step-wise samples: every prompt starts with the same 65-token rules, each group of 8
+The batch mimics Sokoban's turn-wise samples: every prompt starts with the same 65-token rules, each group of 8
 episodes plays one level whose ~13 states (40-46 more tokens each) the episodes revisit (the first state in
 every episode), ~11 turns per episode, 5-token answers. Prints one JSON object with the median step seconds of
 each and the ratios (target: tree faster than row). The machine is shared: only the ratios measured side by side

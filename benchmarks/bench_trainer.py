@@ -2,7 +2,7 @@
 
     python benchmarks/bench_trainer.py [--samples 128] [--steps 3] [--ranks 1 2] [--layouts pad packed]
 
-The default batch mimics step-wise Sokoban samples: ~112 prompt tokens + 8 answer tokens.
+The default batch mimics turn-wise Sokoban samples: ~112 prompt tokens + 8 answer tokens.
 Prints one JSON line per setting. The machine is shared: re-run before trusting a number.
 """
 

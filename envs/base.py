@@ -55,7 +55,7 @@ class TextEnv(gym.Env[str, str]):
     inline_step: ClassVar[bool] = False
     """True for a class whose `step` is pure Python that takes microseconds and never blocks (the built-in
     Sokoban): env managers then call it on their event loop instead of handing it to their thread pool, whose
-    hop cost ~4x a Sokoban step's own CPU (220 vs 59 us). Such a step is not under `envs.step_timeout_s`. Each
+    hop cost ~4x a Sokoban step's own CPU (220 vs 59 us). Such a step is not under `envs.call_timeout_s`. Each
     class declares it for itself: a subclass that does not is back on the thread pool, since its step may block."""
 
     contract: ClassVar[frozenset[str]] = frozenset({"unparsable_is_noop", "gymnasium_checker"})

@@ -49,7 +49,7 @@ class RemoteEnvSettings(BaseModel):
     url: str = Field(..., description="server base URL, http(s):// or ws(s)://; /ws is appended")
     env: str | None = Field(None, description="env id on a multi-env `agentrl serve-envs` (default: its first)")
     token_env: str | None = Field(None, description="environment variable holding the bearer token")
-    timeout_s: PositiveFloat = Field(20.0, description="per reset/step; keep below envs.step_timeout_s")
+    timeout_s: PositiveFloat = Field(20.0, description="per reset/step; keep below envs.call_timeout_s")
     connect_timeout_s: PositiveFloat = 10.0
     max_sessions: PositiveInt = Field(256, description="open sessions per process: >= episodes in flight")
     max_message_bytes: PositiveInt = 1 << 22

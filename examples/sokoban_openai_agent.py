@@ -2,7 +2,7 @@
 
 Its env is a `move` function tool: each turn the model sees the rules and the current grid and calls `move`; the
 agent steps the env with the direction and keeps only the latest grid (a Markov agent, like the native example's
-step-wise prompts). agentrl trains it unchanged through the gateway (`examples/agent_sokoban_openai.yaml`):
+turn-wise prompts). agentrl trains it unchanged through the gateway (`examples/agent_sokoban_openai.yaml`):
 
     envs.train.sokoban.agent: agentrl.examples.sokoban_openai_agent:agent
 

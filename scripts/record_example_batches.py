@@ -24,10 +24,10 @@ from agentrl.batch_files import batch_path, load_batch, save_batch
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "batches"
 EXAMPLES = {
-    "agentic_sokoban": [],  # step-wise, one turn per sample
+    "agentic_sokoban": [],  # turn-wise, one turn per sample
     "sokoban_sync": [],  # trajectory-wise multi-turn Sokoban
     "math_tools": ['tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}'],
-    "sokoban_remote_env": [],  # step-wise, the env behind an OpenEnv server
+    "sokoban_remote_env": [],  # turn-wise, the env behind an OpenEnv server
 }
 ENV_SERVER = ["serve-envs", "agentrl/SimpleSokoban-v0", "--port", "8810", "--workers", "2",
               "--env-kwargs", 'agentrl/SimpleSokoban-v0={"mark_revisits": true}']  # fmt: skip

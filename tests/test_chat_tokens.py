@@ -1,4 +1,4 @@
-"""ChatTokens remembers encoded texts (step-wise prompts repeat): a remembered text gives the tokenizer's own ids,
+"""ChatTokens remembers encoded texts (turn-wise prompts repeat): a remembered text gives the tokenizer's own ids,
 a caller changing its list cannot change what the next caller gets, and the memory stays bounded."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_remembered_prompts_equal_the_tokenizers_ids_and_stay_bounded(tokenizer,
 
 
 def test_prompts_encode_piece_by_piece_between_added_tokens(tokenizer) -> None:
-    """A step-wise prompt is the same rules and a new grid: the text between two added tokens (<|im_start|>, ...)
+    """A turn-wise prompt is the same rules and a new grid: the text between two added tokens (<|im_start|>, ...)
     is encoded once and reused, and the ids still equal the tokenizer's own for every prompt, past the spot
     checks against whole-text encodes."""
     ct = ChatTokens(tokenizer)
@@ -77,7 +77,7 @@ def _template_ids(tok, messages: list[dict]) -> list[int]:
 
 
 def test_whole_prompts_and_deltas_are_spliced_into_the_templates_fixed_text(tokenizer, monkeypatch) -> None:
-    """After its first spot checks, a step-wise prompt (rules + grid) and a delta (the next user turn) are the
+    """After its first spot checks, a turn-wise prompt (rules + grid) and a delta (the next user turn) are the
     template's fixed text with the contents spliced in: equal to a real render, without rendering per turn."""
     ct = ChatTokens(tokenizer)
     env = make_env("agentrl/SimpleSokoban-v0", mark_revisits=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -244,3 +245,18 @@ def test_an_episode_cap_beyond_the_engines_context_is_refused():
     Config.model_validate({"envs": {"max_total_tokens": 8192}, "rollout": {"max_model_len": 8192}})
     remote = {"backend": "remote", "url": "http://x"}  # a remote server has its own context length
     Config.model_validate({"envs": {"max_total_tokens": 8192}, "rollout": remote})
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("envs.step_timeout_s=3", "envs.step_timeout_s moved to envs.call_timeout_s"),
+        ("envs.step_history_window=1", "envs.step_history_window moved to envs.turn_history_window"),
+        ("envs.sample_mode=step", "sample_mode: step is now sample_mode: turn"),
+        ("trainer.algorithm.advantage=step_return", "advantage: step_return is now advantage: turn_return"),
+    ],
+)
+def test_renamed_keys_and_values_say_where_they_went(override, says):
+    """'turn' is the env's and the model's word, 'step' the trainer's: the old names are one line each."""
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load_config(None, [override])

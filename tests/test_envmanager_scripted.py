@@ -137,7 +137,7 @@ async def test_token_exact_history_and_mask(tokenizer):
 
 async def test_only_env_classes_that_declare_inline_step_step_on_the_event_loop(tokenizer):
     """Sokoban's step runs on the env manager's loop (no thread hop); a class that does not declare inline_step
-    itself (a subclass's step may block) steps on the thread pool, under envs.step_timeout_s."""
+    itself (a subclass's step may block) steps on the thread pool, under envs.call_timeout_s."""
     assert SokobanEnv.inline_step and LoopSokoban.inline_step
     assert not TextEnv.inline_step and not PoolSokoban.inline_step and not FlakySokoban.inline_step
     for env_id in ("test/PoolSokoban-v0", "test/LoopSokoban-v0"):
@@ -149,7 +149,7 @@ async def test_only_env_classes_that_declare_inline_step_step_on_the_event_loop(
 
 
 async def test_step_wise_samples_and_history_window(tokenizer):
-    runner = _runner(tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="step")
+    runner = _runner(tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="turn")
     ep = await runner.run(_spec(12))
     samples = to_samples(ep, ep.env_return, "step")
     assert len(samples) == len(ep.turns) >= 2
@@ -157,7 +157,7 @@ async def test_step_wise_samples_and_history_window(tokenizer):
     assert second.count("<|im_start|>user") == 1 and second.count("<|im_start|>assistant") == 1
     assert [s.turn_index for s in samples] == list(range(len(samples)))
     windowed = _runner(
-        tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="step", step_history_window=1
+        tokenizer, ScriptedEngine(tokenizer, _expert_script()), sample_mode="turn", turn_history_window=1
     )
     ep2 = await windowed.run(_spec(12))
     text = tokenizer.decode(to_samples(ep2, 0.0, "step")[1].token_ids)
@@ -185,7 +185,7 @@ async def test_hung_env_calls_never_starve_the_other_episodes(tokenizer):
     calls are timed from when they start, not while they queue. Behind a fixed 2-thread pool the two hung calls
     held both threads and every other episode's step timed out in the queue."""
     runner = _runner(
-        tokenizer, ScriptedEngine(tokenizer, lambda e, p: "<answer>Left</answer>"), env_threads=2, step_timeout_s=0.5
+        tokenizer, ScriptedEngine(tokenizer, lambda e, p: "<answer>Left</answer>"), env_threads=2, call_timeout_s=0.5
     )
     specs = [EpisodeSpec("test/HangSokoban-v0", s, "s", max_turns=3) for s in range(8)]
     results = await asyncio.gather(*(runner.run(spec) for spec in specs))

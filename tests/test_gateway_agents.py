@@ -119,7 +119,7 @@ async def test_a_hanging_env_fails_the_agents_episode_at_the_step_timeout(tok):
 
     import tests.envs_fixtures  # noqa: F401  (registers tests/Hanging-v0)
 
-    cfg = load_config(None, ["envs.step_timeout_s=0.5"])
+    cfg = load_config(None, ["envs.call_timeout_s=0.5"])
     cfg.envs.train = {"hang": {"env_id": "tests/Hanging-v0", "agent": "tests.agents_fixtures:plain"}}
     demos = AgentDemos(cfg, tok, {}, noise_seed=7)
     await demos.start()
@@ -127,7 +127,7 @@ async def test_a_hanging_env_fails_the_agents_episode_at_the_step_timeout(tok):
         spec = cfg.envs.train["hang"]
         assert (await demos.episode("hang", spec, 1, 0)).metrics["success"] == 1.0  # seed 1 does not hang
         t0 = time.perf_counter()
-        with pytest.raises(RuntimeError, match=r"timed out after 0.5s \(envs.step_timeout_s\)"):
+        with pytest.raises(RuntimeError, match=r"timed out after 0.5s \(envs.call_timeout_s\)"):
             await demos.episode("hang", spec, 3, 1)  # seed 3 hangs 30 s in step
         assert time.perf_counter() - t0 < 10
     finally:

@@ -87,7 +87,7 @@ def test_a_rewritten_history_branches_into_a_new_sample(transcript, tok):
     assert [t for t, m in zip(samples[0].token_ids, samples[0].loss_mask, strict=True) if m] == ids2
     assert [t for t, m in zip(samples[1].token_ids, samples[1].loss_mask, strict=True) if m] == ids1
     assert ep.messages[-2] == summary and ep.final_answer == "<answer>Left</answer>"
-    steps = to_samples(ep, 1.0, "step")  # step-wise: every call is its own sample, whatever the history did
+    steps = to_samples(ep, 1.0, "step")  # turn-wise: every call is its own sample, whatever the history did
     assert [s.turn_index for s in steps] == [0, 1]
 
 

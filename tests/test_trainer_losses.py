@@ -80,22 +80,22 @@ def test_gae_runs_over_model_tokens_only() -> None:
     assert adv[0] == pytest.approx([0, 0.5, 0, 0, 0.5]) and ret[0] == pytest.approx([0, 1, 0, 0, 1])
 
 
-def test_step_return_step_wise_samples() -> None:
+def test_turn_return_step_wise_samples() -> None:
     # episode e1: turn rewards 0, 1; e2: one turn, reward 0. gamma 0.5 -> G(e1) = [0.5, 1], G(e2) = [0].
     samples = [
         _sample(0.0, "g", "e1", [0, 1], 0),
         _sample(1.0, "g", "e1", [0, 1], 1),
         _sample(0.0, "g", "e2", [0, 1], 0),
     ]
-    out = A.step_return_advantages(samples, gamma=0.5)
+    out = A.turn_return_advantages(samples, gamma=0.5)
     b = (0.5 + 0.0) / 2  # baseline: group mean of the episodes' G_0
     assert out == [[0, 0.5 - b], [0, 1 - b], [0, -b]]
 
 
-def test_step_return_trajectory_segments() -> None:
+def test_turn_return_trajectory_segments() -> None:
     s1 = _sample(0.0, "g", "e1", [0, 1, 1, 0, 1], step_rewards=[0.0, 1.0])
     s2 = _sample(0.0, "g", "e2", [0, 1, 0, 0, 0], step_rewards=[0.0])
-    out = A.step_return_advantages([s1, s2], gamma=1.0)
+    out = A.turn_return_advantages([s1, s2], gamma=1.0)
     assert out[0] == [0, 0.5, 0.5, 0, 0.5] and out[1] == [0, -0.5, 0, 0, 0]
 
 
@@ -395,7 +395,7 @@ def test_tree_layout_runs_shared_context_tokens_once_and_each_row_sees_exactly_i
     assert lay.trees == 1 and trie == 7  # 5 6 7 8 10, 9, 11: 13 context tokens run as 7
     crowded = check([(1, 2, 3, 4)], [0] * 64, [5] * 64, prefix=0)
     assert 1 < crowded.trees < 64
-    rng = random.Random(0)  # step-wise: 40 grids of one level (6 rows of 7 tokens), a few lower rows redrawn
+    rng = random.Random(0)  # turn-wise: 40 grids of one level (6 rows of 7 tokens), a few lower rows redrawn
     level = [[rng.randint(3, 9) for _ in range(7)] for _ in range(6)]
 
     def grid() -> tuple[int, ...]:

@@ -281,7 +281,7 @@ def test_mini_batches_share_one_proximal_policy(ray_session) -> None:
 
 
 def test_episode_mean_weighs_every_episode_once(ray_session) -> None:
-    """Step-wise samples: episode A has 3 turns (rewarded), B and C one each. With episode_mean every episode
+    """Turn-wise samples: episode A has 3 turns (rewarded), B and C one each. With episode_mean every episode
     weighs 1, so at ratio 1 the GRPO advantages (which sum to 0 over episodes) cancel: pg_loss 0. token_mean
     would give A's turns 3x the weight (pg_loss -0.57 here), the long-episode bias episode_mean removes."""
     cfg = _cfg(1)

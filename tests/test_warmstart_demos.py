@@ -1,5 +1,5 @@
 """The SFT warm start's expert demos are shaped exactly like the policy's own turns: same prompts (tool schemas
-included), tool calls run through the configured tools and their results read back, the same step-wise window.
+included), tool calls run through the configured tools and their results read back, the same turn-wise window.
 
 The reference is the env manager's real `EpisodeRunner`, driven by a policy that says what the expert says."""
 
@@ -29,7 +29,7 @@ def _math_config(sample_mode: str) -> Config:
     return Config.model_validate(
         {
             "tools": {"sets": CALCULATOR},
-            "envs": {"train": {"math": math}, "sample_mode": sample_mode, "step_history_window": 1},
+            "envs": {"train": {"math": math}, "sample_mode": sample_mode, "turn_history_window": 1},
             "rollout": {"sampling": {"max_tokens": 64}},
         }
     )
@@ -66,7 +66,7 @@ async def _policy_turns(cfg: Config, tokenizer: Any, seed: int) -> tuple[list[li
     return [t.prompt_ids for t in ep.turns], [t.token_ids for t in ep.turns], ep
 
 
-@pytest.mark.parametrize("sample_mode", ["trajectory", "step"])
+@pytest.mark.parametrize("sample_mode", ["trajectory", "turn"])
 def test_tool_demos_match_the_policys_own_turns(tiny_model_path: str, sample_mode: str) -> None:
     from transformers import AutoTokenizer
 
@@ -95,7 +95,7 @@ def test_expert_noise_demos_show_recoveries_and_never_train_on_the_random_moves(
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     sokoban = {"env_id": "agentrl/SimpleSokoban-v0", "kwargs": {"mark_revisits": True}}
-    cfg = Config.model_validate({"envs": {"train": {"sokoban": sokoban}, "sample_mode": "step"}})
+    cfg = Config.model_validate({"envs": {"train": {"sokoban": sokoban}, "sample_mode": "turn"}})
     clean = expert_samples(cfg, tokenizer, 40)
     cfg.trainer.sft.expert_noise = 0.3
     noisy = expert_samples(cfg, tokenizer, 40)

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
     c.add_argument("--episodes", type=int, default=20, help="episodes per agent (default 20)")
     c.add_argument("--seed", type=int, default=0, help="first episode seed (default 0)")
     c.add_argument(
-        "--timeout-s", type=float, default=30.0, help="limit of each env call, as envs.step_timeout_s (default 30)"
+        "--timeout-s", type=float, default=30.0, help="limit of each env call, as envs.call_timeout_s (default 30)"
     )
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument(
@@ -134,7 +134,7 @@ def _check_agent(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
 
     try:
         resolve_agent(args.agent)
-        cfg = load_config(None, [f"envs.step_timeout_s={args.timeout_s}", "trainer.sft.expert_noise=0"])
+        cfg = load_config(None, [f"envs.call_timeout_s={args.timeout_s}", "trainer.sft.expert_noise=0"])
         cfg.envs.train = {"check": {"env_id": args.env_id, "agent": args.agent, "kwargs": kwargs}}
     except (UnknownAgentError, ConfigError, ValueError) as err:
         raise UsageError(str(err)) from None

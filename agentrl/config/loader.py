@@ -20,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from agentrl.config.errors import ConfigError
-from agentrl.config.schema import Config
+from agentrl.config.schema import MOVED_KEYS, Config
 
 
 def _field_by_key(model: type[BaseModel], key: str):
@@ -112,6 +112,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
             raise ConfigError(f"{dotted}: {'.'.join(path[:depth])} is a value, not a section")
 
         if annotation is None:
+            if dotted in MOVED_KEYS:
+                raise ConfigError(f"{dotted} moved to {MOVED_KEYS[dotted]}")
             hint = _schema_keys_hint(parent_annotation)
             raise ConfigError(f"{dotted}: unknown key" + (f" ({hint})" if hint else ""))
         known_field = _is_model(parent_annotation)  # a schema field with a default, absent from the data

@@ -10,6 +10,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
 
+# Keys renamed since, and where they went: a config that still uses one gets this one line ("turn" is the env's and
+# the model's word, "step" the trainer's).
+MOVED_KEYS = {
+    "envs.max_tokens_per_turn": "rollout.sampling.max_tokens (new tokens per model turn)",
+    "envs.step_timeout_s": "envs.call_timeout_s",
+    "envs.step_history_window": "envs.turn_history_window",
+}
+
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
@@ -55,15 +63,15 @@ class EnvsConfig(Section):
         default_factory=lambda: {"sokoban": TrainEnvConfig(env_id="agentrl/SimpleSokoban-v0")}
     )
     val: dict[str, EnvConfig] = Field(default_factory=dict)
-    sample_mode: Literal["trajectory", "step"] = Field(
+    sample_mode: Literal["trajectory", "turn"] = Field(
         "trajectory",
-        description="trajectory: one sample per episode (the whole token history); step: one sample per model turn "
-        "(its prompt is the system prompt and the last step_history_window turns)",
+        description="trajectory: one sample per episode (the whole token history); turn: one sample per model turn "
+        "(its prompt is the system prompt and the last turn_history_window turns)",
     )
-    step_history_window: int = Field(0, ge=0, description="step-wise samples: past turns kept in the prompt")
+    turn_history_window: int = Field(0, ge=0, description="turn-wise samples: past turns kept in the prompt")
     max_total_tokens: PositiveInt = Field(4096, description="episode length cap (prompt + every turn)")
     num_managers: PositiveInt = Field(1, description="env-manager actors; episodes are spread over them")
-    step_timeout_s: PositiveFloat = Field(
+    call_timeout_s: PositiveFloat = Field(
         30.0,
         description="limit on every env call (build, reset, step, the expert) in every phase; past it the episode "
         "fails",
@@ -73,8 +81,15 @@ class EnvsConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _moved_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "max_tokens_per_turn" in data:
-            raise ValueError("max_tokens_per_turn moved to rollout.sampling.max_tokens (new tokens per model turn)")
+        """Keys and values renamed since: one line naming the new one ("turn" is the env's and the model's word,
+        "step" the trainer's)."""
+        if not isinstance(data, dict):
+            return data
+        for old, new in MOVED_KEYS.items():
+            if old.startswith("envs.") and old.removeprefix("envs.") in data:
+                raise ValueError(f"{old.removeprefix('envs.')} moved to {new}")
+        if data.get("sample_mode") == "step":
+            raise ValueError("sample_mode: step is now sample_mode: turn (one sample per model turn)")
         return data
 
     @model_validator(mode="after")
@@ -309,9 +324,9 @@ class OptimConfig(Section):
 class AlgorithmConfig(Section):
     """Advantages, the policy loss and its aggregation, KL and entropy terms."""
 
-    advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "step_return", "gae"] = Field(
+    advantage: Literal["grpo", "grpo_no_std", "rloo", "reinforce_pp", "turn_return", "gae"] = Field(
         "grpo",
-        description="grpo(_no_std) / rloo: group-relative; reinforce_pp: batch-normalised; step_return: per-turn "
+        description="grpo(_no_std) / rloo: group-relative; reinforce_pp: batch-normalised; turn_return: per-turn "
         "returns-to-go; gae: a critic's values",
     )
     loss: Literal["decoupled_ppo", "ppo_clip"] = Field(
@@ -321,7 +336,7 @@ class AlgorithmConfig(Section):
     )
     loss_agg: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "episode_mean"] = Field(
         "token_mean",
-        description="episode_mean: every episode weighs the same however many step-wise samples (turns) it has",
+        description="episode_mean: every episode weighs the same however many turn-wise samples (turns) it has",
     )
     clip_low: float = Field(0.2, ge=0.0, description="ratio clipped below at 1 - clip_low")
     clip_high: float = Field(0.2, ge=0.0, description="> clip_low is DAPO's clip-higher")
@@ -332,12 +347,19 @@ class AlgorithmConfig(Section):
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="the KL estimator")
     kl_in_reward: bool = Field(False, description="the KL as a reward penalty instead of a loss term")
     entropy_coef: float = Field(0.0, ge=0.0, description="entropy bonus in the loss")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount (step_return, gae)")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="discount (turn_return, gae)")
     gae_lambda: float = Field(1.0, ge=0.0, le=1.0, description="GAE lambda")
     ppo_epochs: PositiveInt = Field(1, description="passes over each batch")
     mini_batches: PositiveInt = Field(
         1, description="optimizer steps per batch and PPO epoch; proximal log-probs and advantages are computed once"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed_values(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("advantage") == "step_return":
+            raise ValueError("advantage: step_return is now advantage: turn_return (per-turn returns-to-go)")
+        return data
 
 
 class SFTConfig(Section):

@@ -5,7 +5,7 @@ between that turn and the next generation prompt (for ChatML: "\n<|im_start|>use
 assistant\n"), computed by rendering a conversation with a placeholder assistant turn and taking the suffix.
 
 Per turn this is the env manager's largest own cost after the Ray call, so the template's fixed text (a delta's, or
-a whole step-wise prompt's) is rendered once per sequence of roles (with placeholder contents) and each turn only
+a whole turn-wise prompt's) is rendered once per sequence of roles (with placeholder contents) and each turn only
 splices the contents in; the template is rendered for real whenever splicing is not provably the same (contents it
 trims, escapes or branches on), and spot-checked against a real render every `_RECHECK_EVERY` uses.
 """
@@ -19,7 +19,7 @@ from typing import Any
 _PLACEHOLDER = "\x00AGENTRL_TURN\x00"
 _RECHECK_EVERY = 256  # a spliced delta is compared with a real render this often (and on each key's first uses)
 _FIRST_CHECKS = 4
-# Encoded texts remembered. Step-wise prompts repeat (every turn starts with the rules, a group's episodes revisit
+# Encoded texts remembered. Turn-wise prompts repeat (every turn starts with the rules, a group's episodes revisit
 # states): a 128-episode Sokoban batch held 1,433 turns but 201 distinct prompts, and encoding was a sixth of the
 # env manager's CPU. Cleared when full: no bookkeeping per hit.
 _ENCODED_TEXTS = 4096
@@ -102,7 +102,7 @@ class ChatTokens:
     def _added_token_splitter(self) -> re.Pattern | None:
         """A pattern cutting text at the tokenizer's added tokens (<|im_start|>, ...), when each is matched verbatim
         (no strip, single-word or normalisation rules, not split as text): the tokenizer then encodes the text
-        between two of them on its own, so those pieces can be remembered apart. A step-wise prompt is the same
+        between two of them on its own, so those pieces can be remembered apart. A turn-wise prompt is the same
         system rules and a new observation: only the observation's piece is new."""
         added = getattr(self.tok, "added_tokens_decoder", None)
         if self._fast is None or self._split or not isinstance(added, dict) or not added:
@@ -136,7 +136,7 @@ class ChatTokens:
         return ids
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
-        """The whole conversation so far, ending in the generation prompt (a step-wise turn's whole prompt)."""
+        """The whole conversation so far, ending in the generation prompt (a turn-wise turn's whole prompt)."""
         return self.encode(self._spliced(messages, whole=True))
 
     def delta_ids(self, new_messages: list[dict], model_ended_with_eos: bool) -> list[int]:

@@ -68,10 +68,10 @@ class EpisodeRunner:
         return self._chats[tool_sets]
 
     async def off_loop(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)` on an env thread, `envs.env_threads` at a time; a call past `envs.step_timeout_s` frees its
+        """`fn(*args)` on an env thread, `envs.env_threads` at a time; a call past `envs.call_timeout_s` frees its
         slot at once."""
         async with self._env_slots:
-            return await acall_with_timeout(fn, *args, timeout_s=self.envs.step_timeout_s)
+            return await acall_with_timeout(fn, *args, timeout_s=self.envs.call_timeout_s)
 
     async def run(self, spec: EpisodeSpec) -> Episode:
         ep = Episode(episode_id=spec.episode_id, group_id=spec.group_id, env_id=spec.env_id)
@@ -80,7 +80,7 @@ class EpisodeRunner:
         except asyncio.CancelledError:
             raise
         except TimeoutError:
-            ep.error = f"env call timed out after {self.envs.step_timeout_s}s"
+            ep.error = f"env call timed out after {self.envs.call_timeout_s}s"
         except Exception as err:  # the env's own bug: fail this episode, never the manager
             ep.error = f"{type(err).__name__}: {err}"
         ep.max_model_tokens = spec.sampling.max_tokens * max(1, len(ep.turns))
@@ -122,14 +122,14 @@ class EpisodeRunner:
 
     def _next_context(self, run: _Running, pending: Messages, turn_index: int) -> tuple[list[int], int] | None:
         """Append the messages since the last turn; return this turn's prompt and token budget, or None when the
-        episode has no room left. Trajectory-wise the prompt is the whole token history; step-wise it is the
-        system prompt plus the last `step_history_window` turns' context, rendered anew."""
+        episode has no room left. Trajectory-wise the prompt is the whole token history; turn-wise it is the
+        system prompt plus the last `turn_history_window` turns' context, rendered anew."""
         ep = run.ep
         if pending:
             run.turn_starts.append(len(ep.messages))
             ep.messages += pending
-        if self.envs.sample_mode == "step":
-            start = run.turn_starts[max(0, turn_index - self.envs.step_history_window)]
+        if self.envs.sample_mode == "turn":
+            start = run.turn_starts[max(0, turn_index - self.envs.turn_history_window)]
             prompt = run.chat.prompt_ids(ep.messages[:1] + ep.messages[start:])
         else:
             if pending:

@@ -223,7 +223,7 @@ def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int, str | None]],
             call_with_timeout(env.reset, seed=seed, timeout_s=timeout_s, what="env.reset")
             call_with_timeout(env.close, timeout_s=timeout_s, what="env.close")
         except EnvCallTimeout as err:
-            return f"{where}: {env_id}: {err} (envs.step_timeout_s)"
+            return f"{where}: {env_id}: {err} (envs.call_timeout_s)"
         except UnknownEnvError:
             hint = f"; in this worker {'; '.join(import_errors)}" if import_errors else ""
             return (
@@ -251,7 +251,7 @@ def check_envs_in_actor(cfg: Config, start_timeout_s: float = 120.0) -> None:
         for tag, env in section.items()
     ]
     probe = ray.remote(_make_each_env).options(num_cpus=0, runtime_env={"env_vars": worker_env()})
-    call_s = cfg.envs.step_timeout_s
+    call_s = cfg.envs.call_timeout_s
     timeout_s = start_timeout_s + 3 * call_s * len(envs)  # the worker's start, then at most 3 bounded calls an env
     try:
         problem = ray.get(probe.remote(envs, call_s), timeout=timeout_s)

@@ -1,4 +1,4 @@
-"""Finished episodes -> training samples: one per episode (trajectory-wise) or one per turn (step-wise); and
+"""Finished episodes -> training samples: one per episode (trajectory-wise) or one per turn (turn-wise); and
 -> the record a person reads (`episode_record`)."""
 
 from __future__ import annotations

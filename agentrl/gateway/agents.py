@@ -71,7 +71,7 @@ class StepResult(NamedTuple):
 @dataclass
 class AgentTask:
     """What an agent gets besides its client. `step` acts in the episode's env (off the event loop, under
-    `envs.step_timeout_s`); its rewards and metrics are the episode's, as for a native episode. `call_tool` runs
+    `envs.call_timeout_s`); its rewards and metrics are the episode's, as for a native episode. `call_tool` runs
     one of the env's configured tools (`tools` holds their OpenAI schemas) and returns what a model would read."""
 
     prompt: str
@@ -117,7 +117,7 @@ class AgentEpisodes:
         except asyncio.CancelledError:
             raise
         except EnvCallTimeout as err:  # the env (stepped by the agent) hung, not the agent
-            ep.error = f"{err} (envs.step_timeout_s)"
+            ep.error = f"{err} (envs.call_timeout_s)"
         except TimeoutError:
             ep.error = f"agent timed out after {self.timeout_s}s (gateway.agent_timeout_s)"
         except Exception as err:  # the agent's or the env's bug: fail this episode, never the manager

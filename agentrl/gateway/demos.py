@@ -99,7 +99,7 @@ class AgentDemos:
         """The expert's move, said the way the agent wants it, as tokens (a random move now and then)."""
         reply, rng = self._play[episode_id]
         env = self.episodes.envs[episode_id]
-        timeout_s = self.cfg.envs.step_timeout_s
+        timeout_s = self.cfg.envs.call_timeout_s
         action = await acall_with_timeout(env.expert_action, timeout_s=timeout_s, what="env.expert_action")
         if action is None:  # no expert move from here: the demo ends with the turns it has
             self._over.add(episode_id)

@@ -13,7 +13,7 @@ episode's token history in segments and reuses it:
 - no recorded point (the first call, an edited or summarised history, other tools): a new segment rendered by the
   chat template.
 
-So a rewritten history never gets a silently wrong mask: it starts a new sample (trajectory-wise), and step-wise
+So a rewritten history never gets a silently wrong mask: it starts a new sample (trajectory-wise), and turn-wise
 every call is a sample of its own anyway (its prompt, however it was built, and its completion).
 """
 

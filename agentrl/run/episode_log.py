@@ -59,7 +59,7 @@ def sample_indices(records: Sequence[EpisodeRecord], samples: Sequence[Sample]) 
 def turn_advantages(record: EpisodeRecord, samples: Sequence[tuple[Sample, list[float]]]) -> list[list[float]] | None:
     """Each model turn's per-token advantages, from the episode's samples and the trainer's per-token advantages
     (aligned with each sample's tokens). Trajectory-wise the episode's first sample holds every turn, its model
-    tokens in runs, one per turn; step-wise each turn is its own sample. None when the samples do not hold the
+    tokens in runs, one per turn; turn-wise each turn is its own sample. None when the samples do not hold the
     record's turns token for token (they always should: the test of this module checks it on real runs)."""
     turns = record.turns
     step_wise = {s.turn_index: (s, a) for s, a in samples if s.turn_index is not None}

@@ -1,7 +1,7 @@
 """The warm start: SFT on expert demonstrations from the envs (as training samples), and its cache.
 
 Env code runs here in the driver, outside the env managers' isolation, so a demo episode whose env raises or
-hangs (each call is bounded by `envs.step_timeout_s`) is skipped and counted (like a failed RL episode), never the
+hangs (each call is bounded by `envs.call_timeout_s`) is skipped and counted (like a failed RL episode), never the
 end of the run. Episodes are independent and play concurrently (`envs.env_threads` at a time), so a slow env does
 not serialise the warm start; the samples keep episode order, whatever order the episodes end in.
 """
@@ -153,13 +153,13 @@ class _Demo:
         return samples
 
     async def _call(self, fn: Callable, *args: Any, what: str, **kwargs: Any) -> Any:
-        """An env call within `envs.step_timeout_s` (EnvCallTimeout after it: the episode is skipped)."""
-        return await acall_with_timeout(fn, *args, timeout_s=self.cfg.envs.step_timeout_s, what=what, **kwargs)
+        """An env call within `envs.call_timeout_s` (EnvCallTimeout after it: the episode is skipped)."""
+        return await acall_with_timeout(fn, *args, timeout_s=self.cfg.envs.call_timeout_s, what=what, **kwargs)
 
     def _prompt(self, messages: Messages, turn_starts: list[int], turn: int) -> list[int]:
         envs = self.cfg.envs
-        if envs.sample_mode == "step":
-            start = turn_starts[max(0, turn - envs.step_history_window)]
+        if envs.sample_mode == "turn":
+            start = turn_starts[max(0, turn - envs.turn_history_window)]
             return self.chat.prompt_ids(messages[:1] + messages[start:])
         return self.chat.prompt_ids(messages)
 
@@ -189,7 +189,7 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "model": [str(Path(model_path).resolve()), cfg.model.revision, cfg.model.tokenizer, weights],
         "sft": sft.model_dump(exclude={"cache"}),
         "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
-        "prompts": [cfg.envs.sample_mode, cfg.envs.step_history_window, DEMO_FORMAT],
+        "prompts": [cfg.envs.sample_mode, cfg.envs.turn_history_window, DEMO_FORMAT],
         "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
         "agents": _agent_sources(cfg),  # an agent program plays its own demos: its code shapes them
         "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),

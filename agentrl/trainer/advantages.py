@@ -1,7 +1,7 @@
 """Advantage estimators: pure functions from rewards (and values) to per-token advantages.
 
 Sequence-level estimators (GRPO, Dr.GRPO's no-std variant, RLOO, REINFORCE++) give one number per sample,
-spread over its model tokens. `step_return` gives each turn its discounted return-to-go; `gae` runs over the
+spread over its model tokens. `turn_return` gives each turn its discounted return-to-go; `gae` runs over the
 model tokens of one sequence with a critic's values. Everything here is deterministic and cheap,
 so every trainer rank computes the whole batch's advantages itself instead of exchanging them.
 """
@@ -119,10 +119,10 @@ def _turn_rewards(s: Sample, num_turns: int) -> list[float]:
     return rewards
 
 
-def step_return_advantages(samples: Sequence[Sample], gamma: float) -> list[list[float]]:
+def turn_return_advantages(samples: Sequence[Sample], gamma: float) -> list[list[float]]:
     """Per-turn discounted return-to-go minus the group's mean episode return (G_0), per model token.
 
-    Step-wise samples (`turn_index` set): turn t's tokens get G_t of its episode, where the episode's turn
+    Turn-wise samples (`turn_index` set): turn t's tokens get G_t of its episode, where the episode's turn
     rewards are `step_rewards` when a sample carries the list, else each sample's own `reward`.
     Trajectory-wise samples: each loss-mask segment is a turn, rewarded by `step_rewards[k]`
     (or the episode reward at the last turn).
@@ -178,7 +178,7 @@ def sequence_advantages(
 ) -> list[float]:
     """Dispatch for the sequence-level estimators by config name.
 
-    With `episode_ids`, every episode counts once however many samples (turns) it has: step-wise samples of
+    With `episode_ids`, every episode counts once however many samples (turns) it has: turn-wise samples of
     long episodes would otherwise dominate the group mean and std. The episode's advantage then applies to each
     of its samples (the form that learned Sokoban on CPU).
     """

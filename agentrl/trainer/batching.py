@@ -43,7 +43,7 @@ def micro_batches(
     together, so that a micro-batch holds a repeated prompt as often as it can (the trainer runs it once).
     With `prompt_tokens` (`pad` only: the trainer runs the tokens a micro-batch's prompts share once), samples
     are taken in `prompts` order (the trainer's keys sort the prompts, so neighbours share the most tokens) and
-    a micro-batch costs the tokens of its prompts' trie plus every row's tokens after its prompt: a step-wise
+    a micro-batch costs the tokens of its prompts' trie plus every row's tokens after its prompt: a turn-wise
     batch then trains in fewer micro-batches (every extra pass repeats the shared tokens and the per-call work).
     A sample longer than the budget gets a micro-batch of its own.
     """

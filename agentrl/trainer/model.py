@@ -63,7 +63,7 @@ def _shift_align(x: torch.Tensor) -> torch.Tensor:
 def loss_positions(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """Token positions any row of the micro-batch trains on (loss_mask), or None for every position.
 
-    Step-wise samples train on ~5 answer tokens after ~110 prompt tokens: the LM head and softmax over the
+    Turn-wise samples train on ~5 answer tokens after ~110 prompt tokens: the LM head and softmax over the
     vocabulary at the other positions would be wasted work (measured 1.6x step time on the tiny model).
     """
     mask = batch.get("loss_mask")

@@ -1,6 +1,6 @@
 """Running each distinct prompt of a padded micro-batch once, its KV cache feeding every row that repeats it.
 
-Why: step-wise samples repeat a lot. Every row starts with the same system prompt, the episodes of a group
+Why: turn-wise samples repeat a lot. Every row starts with the same system prompt, the episodes of a group
 revisit the same states, so many rows carry the very same prompt with a different (or the same) answer, and
 distinct prompts of one level differ only in their last lines: a 128-episode Sokoban batch held 1,554 turns,
 706 distinct prompts, and after the system prompt 29k distinct tokens that a trie holds in 10k.
@@ -160,7 +160,7 @@ def _row_pass(model, plan, suffix, suffix_mask, rel, valid) -> tuple[torch.Tenso
 def _tree_pass(model, plan, suffix, suffix_mask, rel) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """SDPA: tree rows each holding a trie of some distinct contexts' tails (a token shared by several contexts
     runs once), then their rows' suffixes in the last columns (where the logits are kept); under a tree mask a
-    token sees its ancestors in the trie, a suffix its context's path and itself. Step-wise prompts that differ
+    token sees its ancestors in the trie, a suffix its context's path and itself. Turn-wise prompts that differ
     only in the last lines (a grid's lower rows, a "(visit k)" mark) share the rest: on a Sokoban batch the
     distinct contexts' 29k tail tokens were a trie of 10k. No row copies a context's KV cache."""
     n, ctx, ctx_mask = plan.prefix, plan.contexts, plan.context_mask

@@ -70,9 +70,9 @@ def shaped_advantages(
         kl = [token_kl[i] for i in mine] if token_kl else None
         a, r = adv_lib.gae_advantages(sub, [values[i] for i in mine], alg.gamma, alg.gae_lambda, kl)
         return dict(zip(mine, a, strict=True)), dict(zip(mine, r, strict=True)), rewards
-    if alg.advantage == "step_return":
+    if alg.advantage == "turn_return":
         shaped = [s if s.reward == r else replace(s, reward=r) for s, r in zip(samples, rewards, strict=True)]
-        a = adv_lib.step_return_advantages(shaped, alg.gamma)
+        a = adv_lib.turn_return_advantages(shaped, alg.gamma)
         return {i: a[i] for i in mine}, {}, rewards
     seq = adv_lib.sequence_advantages(
         alg.advantage, rewards, [s.group_id for s in samples], [s.episode_id for s in samples]

@@ -239,7 +239,7 @@ def thd_params(batch: dict[str, torch.Tensor]):
 @contextmanager
 def output_positions(gpt: nn.Module, positions: torch.Tensor | None):
     """Run the output layer only at `positions` of the [T, rows, hidden] states (HF's logits_to_keep):
-    step-wise samples train on a few answer tokens after a long prompt."""
+    turn-wise samples train on a few answer tokens after a long prompt."""
     if positions is None:
         yield
         return
