@@ -145,6 +145,13 @@ def _cluster_scenario() -> dict:
     out["engines"] = ray.get([h.where.remote() for h in engines])
     out["bundle_nodes"] = [table["bundles_to_node_id"][i] for i in range(2)]
     ray.kill(engines[1])
+    deadline = time.monotonic() + 60  # ray.kill returns at once: restart in the bundle once the old actor is gone
+    while time.monotonic() < deadline:
+        try:
+            ray.get(engines[1].where.remote(), timeout=10)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            break
+        time.sleep(0.05)
     restart = fleet.engine_factory(ro, "unused-model", 0, placement=engines.placement)
     out["restarted"] = ray.get(restart(1).where.remote(), timeout=60)
 
