@@ -297,7 +297,7 @@ async def test_closing_lets_calls_under_way_finish_and_fails_later_ones():
         c = ToolClient(url, max_connections=1, retries=0)
         first = asyncio.create_task(c.call("hold", {"s": 0.3}))
         queued = asyncio.create_task(c.call("hold", {"s": 0}))
-        await asyncio.sleep(0.05)
+        await until(lambda: {first, queued} <= c._inflight, "both calls to be under way")
         pool = c._pool
         await c.aclose()
         done, waited = await asyncio.gather(first, queued)

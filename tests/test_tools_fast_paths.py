@@ -271,7 +271,7 @@ async def test_client_timeouts_errors_and_pool_limit():
         r = await c.call("t", {"n": 1}, timeout_s=0.03)  # the one connection is busy for 0.1 s
         assert not r.ok and "timed out" in r.error
         waiting = asyncio.create_task(c.call("t", {"n": 1}))
-        await asyncio.sleep(0.01)  # queued for the one connection, or about to be: cancelled either way
+        await until(lambda: waiting in c._inflight, "the call to wait for the one connection")
         waiting.cancel()  # a request cancelled while queued gives up its place, and no slot leaks
         assert (await first).ok
         assert all(r.ok for r in await asyncio.gather(*(c.call("t", {"n": 1}) for _ in range(3))))
