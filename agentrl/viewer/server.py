@@ -10,6 +10,7 @@ Loopback by default; bound elsewhere it needs a token (`--token-env VAR`), given
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
 from pathlib import Path
@@ -49,14 +50,21 @@ def _steps(run_dir: Path) -> list[dict[str, Any]]:
             step = int(path.stem.removeprefix("step-"))
         except ValueError:
             continue
-        lines = read_episodes(path)
-        out.append({
-            "step": step,
-            "phases": sorted({e["phase"] for e in lines}),
-            "tags": sorted({e["tag"] for e in lines}),
-            "episodes": len(lines),
-        })  # fmt: skip
+        st = path.stat()
+        out.append({"step": step, **_file_summary(path, st.st_mtime_ns, st.st_size)})
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_summary(path: Path, mtime_ns: int, size: int) -> dict[str, Any]:
+    """An episodes file's phases, env tags and episode count, read again only when the file changes (the page asks
+    for the step list every 2 s)."""
+    lines = read_episodes(path)
+    return {
+        "phases": sorted({e["phase"] for e in lines}),
+        "tags": sorted({e["tag"] for e in lines}),
+        "episodes": len(lines),
+    }
 
 
 def _token_check(token: str | None):
