@@ -221,7 +221,36 @@ async def test_tool_calls_run_concurrently_and_errors_reach_the_model(tokenizer)
     tool_msgs = [m["content"] for m in ep.messages if m["role"] == "tool"]
     assert len(tool_msgs) == 3 and "42" in tool_msgs[0]
     assert tool_msgs[1].startswith("error") and "parse" in tool_msgs[2]
-    rendered = tokenizer.apply_chat_template(ep.messages, tools=runner.toolboxes[("calc",)].schemas(), tokenize=False)
+    assert ep.truncation == "max_turns" and ep.messages[-1]["role"] == "user", "the last board is shown, unread"
+    read = ep.messages[:-1]  # the model's last reply ends the tokens
+    rendered = tokenizer.apply_chat_template(read, tools=runner.toolboxes[("calc",)].schemas(), tokenize=False)
+    assert tokenizer.decode(ep.token_ids) == rendered.removesuffix("\n")
+
+
+async def test_the_last_turns_tool_results_are_kept_in_the_messages_but_not_the_tokens(tokenizer):
+    """An episode that hits its turn limit on a tool call: the tools ran, so the episode log shows what they
+    returned (after the model's call), while the trajectory ends with the model's tokens."""
+    from agentrl.tools import build_toolbox, parse_tool_calls
+
+    toolbox_cfg = ToolsConfig(sets={"calc": {"calculator": ToolSpec(python="agentrl.tools.calculator:calculator")}})
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "6 * 7"}}</tool_call>'
+    runner = EpisodeRunner(
+        tokenizer,
+        ScriptedEngine(tokenizer, lambda episode_id, prompt_text: call),
+        lambda i, k: make_env(i, **k),
+        EnvsConfig(),
+        ToolsConfig(),
+        toolboxes={("calc",): build_toolbox(toolbox_cfg, ["calc"])},
+        tool_parser=parse_tool_calls,
+    )
+    spec = EpisodeSpec("agentrl/SimpleSokoban-v0", 5, "sokoban", max_turns=2, tool_sets=["calc"])
+    ep = await runner.run(spec)
+    assert ep.error is None and ep.truncation == "max_turns" and ep.tool_calls == 2
+    assert [m["role"] for m in ep.messages] == ["system", "user", "assistant", "tool", "assistant", "tool"]
+    assert "42" in ep.messages[-1]["content"]
+    assert ep.loss_mask[-1] == 1, "the trajectory ends with the model's own tokens"
+    read = ep.messages[:-1]
+    rendered = tokenizer.apply_chat_template(read, tools=runner.toolboxes[("calc",)].schemas(), tokenize=False)
     assert tokenizer.decode(ep.token_ids) == rendered.removesuffix("\n")
 
 

@@ -36,7 +36,8 @@ async def test_multi_turn_sokoban_is_token_exact(manager, tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     ep = await manager.run_episode.remote(_spec(21, 16))
     assert ep["error"] is None and len(ep["turns"]) == 3 and ep["truncation"] == "max_turns"
-    rendered = tok.apply_chat_template(ep["messages"], tokenize=False)
+    assert ep["messages"][-1]["role"] == "user", "the turn limit's last board is shown (the model never reads it)"
+    rendered = tok.apply_chat_template(ep["messages"][:-1], tokenize=False)
     decoded = tok.decode(ep["token_ids"])
     # the trajectory ends with the model's last token; the template then closes the turn (EOS if the model did not)
     assert rendered.startswith(decoded) and rendered[len(decoded) :] in ("\n", "<|im_end|>\n")

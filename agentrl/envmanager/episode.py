@@ -101,6 +101,7 @@ class EpisodeRunner:
                 pending = await self._act(run, turn)
                 if pending is None:
                     return
+            ep.messages += pending  # what the last turn's tools returned: shown in the log, never read by the model
             ep.truncation = "max_turns"
         finally:
             if run.box is not None:
