@@ -204,7 +204,8 @@ class EpisodeRecord:
     model turn its tokens, policy versions, the env's reward and whether it ended the episode.
 
     Each assistant message names its model turn (`turn`) and the tool calls parsed from it (`tool_calls`: name and
-    arguments); the tool results and the env's observations follow as `tool` / `user` messages. `turns[k]` has
+    arguments); the tool results and the env's observations follow as `tool` / `user` messages (also after the
+    last turn of an episode cut at its turn limit: what the model would have read next). `turns[k]` has
     `token_ids`, `versions`, `reward`, `done`, `resumes` (preempted by a weight update and resumed) and `tool_calls`
     (the count run). Plain data: it crosses Ray with its group and is written as one JSON line.
     """
