@@ -201,6 +201,9 @@ class GroupCache:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._group = None
+        # delta sync (agentrl.weight_delta): each bucket's content as of the last sync in this group; a new group
+        # starts without, so its first sync is full on both ends
+        self.bases: dict[int, torch.Tensor] = {}
 
     def get(self, where: SyncGroup, rank: int):
         if self._key != (*where.key, rank):
@@ -213,11 +216,13 @@ class GroupCache:
         """Drop the group after a failure in it: abort it (NCCL / HCCL: its communicators, which may be stuck on
         a dead peer; a clean shutdown would wait for them) and forget it."""
         group, self._group, self._key = self._group, None, None
+        self.bases = {}
         _end(group, "abort")
 
     def close(self) -> None:
         """Drop the group; NCCL/HCCL communicators hold device memory until shut down."""
         group, self._group, self._key = self._group, None, None
+        self.bases = {}
         _end(group, "shutdown")
 
 

@@ -58,3 +58,58 @@ async def test_engine_logprobs_match_trainer_after_sync(vllm_fleet, tiny_model_p
     finally:
         sync.close()
         trainer.shutdown()
+
+
+def _move_prompt_rows(rank) -> int:
+    """In trainer rank 0: what a bf16-sized training step is to the weights, a few rows moved (the embedding rows
+    of the prompt's tokens; the tied head moves with them). Returns the elements moved."""
+    import torch
+
+    emb = dict(rank.model.named_parameters())["model.embed_tokens.weight"]
+    local = emb.to_local() if hasattr(emb, "to_local") else emb  # FSDP2 at world size 1: the whole tensor
+    rows = torch.tensor(PROMPT)
+    with torch.no_grad():
+        local[rows] += 0.05 * torch.randn(len(PROMPT), local.shape[1], generator=torch.Generator().manual_seed(0))
+    return len(PROMPT) * local.shape[1]
+
+
+async def _greedy_logprobs(engines, tag: str) -> list[list[float]]:
+    sampling = SamplingConfig(max_tokens=16, temperature=0.0)
+    return [(await e.generate.remote(PROMPT, sampling, f"{tag}-{i}")).logprobs for i, e in enumerate(engines)]
+
+
+async def test_delta_sync_moves_only_the_changed_elements_and_loads_what_a_full_sync_does(vllm_fleet, tiny_model_path):
+    """rollout.weight_sync_delta through the real engines: the first sync of a group is full; after a change to a
+    few rows only those travel, and the engines then compute the trainer's log-probs; a full sync of the same
+    weights (a new group) leaves every engine's greedy log-probs bit for bit as the delta left them; a real
+    optimizer step in float32 moves nearly every element, so the buckets then travel whole."""
+    _, engines, router = vllm_fleet
+    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "rollout.num_engines=2",
+                             "rollout.weight_sync=collective", "rollout.weight_sync_delta=true",
+                             "name=sync-delta"])  # fmt: skip
+    trainer = TrainerGroup(cfg, tiny_model_path)
+    sync = WeightSync(cfg, trainer, router, CPU)
+    try:
+        await sync.sync(200)
+        full = sync.sent_bytes
+        assert full > 4 * (await trainer.ranks[0].__ray_call__.remote(_move_prompt_rows)) * 4  # whole model sent
+        await sync.sync(201)
+        assert sync.sent_bytes < full / 20, (sync.sent_bytes, full)  # a few rows: their indices and values
+        for i, engine in enumerate(engines):
+            await _check_engine_matches_trainer(engine, trainer, 201, f"delta-{i}")
+        after_delta = await _greedy_logprobs(engines, "after-delta")
+        sync._members = None  # as after an engine restart: a new group, whose first sync is full
+        await sync.sync(202)
+        assert sync.sent_bytes >= full
+        assert await _greedy_logprobs(engines, "after-full") == after_delta
+        outs = [await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=1.0, seed=seed),
+                                                 f"d-{seed}") for seed in (1, 2)]  # fmt: skip
+        good, bad = (_batch(PROMPT + o.token_ids, o.logprobs) for o in outs)
+        trainer.train_step([good[0], bad[1]])  # two different completions, rewards 1 and -1
+        await sync.sync(203)
+        assert sync.sent_bytes >= full, (sync.sent_bytes, full)  # float32 Adam step: nearly every element moved
+        for i, engine in enumerate(engines):
+            await _check_engine_matches_trainer(engine, trainer, 203, f"delta-step-{i}")
+    finally:
+        sync.close()
+        trainer.shutdown()

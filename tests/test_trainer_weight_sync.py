@@ -18,6 +18,7 @@ from agentrl.rollout.vllm_worker import receive_state_dict
 from agentrl.trainer.weight_sync import broadcast_weights
 from agentrl.trainer.worker import TrainerRank
 from agentrl.weight_buckets import PackBuffer, meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
+from agentrl.weight_delta import bits, checksum
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -118,3 +119,110 @@ def test_the_sync_store_listens_on_a_port_of_rollout_weight_sync_ports():
         rank.cfg = load_config(None, [f"rollout.weight_sync_ports={base}"])
         with pytest.raises(SyncError, match=rf"rollout.weight_sync_ports: no free port in {base}-{base}"):
             TrainerRank.sync_address(rank)
+
+
+# ---- delta sync (rollout.weight_sync_delta) --------------------------------------------------------------------
+
+DELTA_SYNCS = 5
+DRIFT_AT = 3  # before this sync, receiver 2 corrupts one element of its base of the b.weight bucket
+
+
+def _bf16_metas() -> list:
+    return [meta_of(k, v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in _state().items()]
+
+
+def _delta_receiver(port: int, rank: int, queue) -> None:
+    torch.set_num_threads(1)
+    group = new_group("gloo", "127.0.0.1", port, rank, 3, timeout_s=60)
+    bases: dict[int, torch.Tensor] = {}
+    for sync in range(DELTA_SYNCS):
+        if rank == 2 and sync == DRIFT_AT:
+            bits(bases[1])[5] ^= 1  # a flipped low bit in a position the next delta leaves alone
+        got = receive_state_dict(group, _bf16_metas(), torch.device("cpu"), bucket_bytes=256, bases=bases)
+        queue.put((rank, sync, {k: bits(v).numpy().copy() for k, v in got}))
+
+
+def _step(state: dict[str, torch.Tensor], sync: int) -> None:
+    """What a training step does to the bf16 weights: a few elements move (all of a.weight at sync 2, none of
+    anything at sync 4)."""
+    if sync == 4:
+        return
+    g = torch.Generator().manual_seed(sync)
+    for name, t in state.items():
+        if t.is_floating_point():
+            moved = torch.rand(t.shape, generator=g) < (1.0 if (name, sync) == ("a.weight", 2) else 0.03)
+            if name == "b.weight":
+                moved.view(-1)[5] = False
+            t[moved] = t[moved] * 1.5 + 0.25
+
+
+def test_delta_sync_delivers_what_a_full_sync_does_and_repairs_a_drifted_base() -> None:
+    """Two receivers (engine workers) over gloo, bf16 weights: the first sync is full, later ones carry only the
+    changed elements (a whole bucket travels in full when that is smaller), every received weight equals the
+    sender's bit for bit; a receiver whose base drifted is caught by the checksum and the bucket is sent again
+    in full, to both receivers."""
+    port = free_port_local()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_delta_receiver, args=(port, r, queue), daemon=True) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        group = new_group("gloo", "127.0.0.1", port, 0, 3, timeout_s=60)
+        state, metas, bases, buffer = _state(), _bf16_metas(), {}, PackBuffer()
+        full_bytes = sum(m.numel * torch.empty((), dtype=m.torch_dtype).element_size() for m in metas)
+        sent, expected = [], []
+        for sync in range(DELTA_SYNCS):
+            if sync:
+                _step(state, sync)
+            sent.append(broadcast_weights(group, list(state.items()), metas, 256, buffer, 60, bases))
+            expected.append({k: bits(v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()})
+        got = [queue.get(timeout=60) for _ in range(2 * DELTA_SYNCS)]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert len(got) == 2 * DELTA_SYNCS
+    for rank, sync, tensors in got:
+        assert tensors.keys() == expected[sync].keys()
+        for k, v in tensors.items():
+            assert torch.equal(torch.from_numpy(v), expected[sync][k]), (rank, sync, k)
+    buckets = plan_buckets(metas, 256)
+    headers = 8 * 3 * len(buckets)
+    assert sent[0] == full_bytes + headers  # no base yet: every bucket in full
+    for sync in range(1, DELTA_SYNCS):  # per bucket: int32 index + value of each changed element, or all of it
+        moved, sizes = [], []
+        for b in buckets:
+            k = sum(int((expected[sync][m.name] != expected[sync - 1][m.name]).sum()) for m in b)
+            e = expected[sync][b[0].name].element_size()
+            sizes.append(sum(m.numel for m in b) * e)
+            moved.append(min(k * (4 + e), sizes[-1]))
+        repaired = sizes[1] if sync == DRIFT_AT else 0  # receiver 2's b.weight disagreed: sent again in full
+        assert sent[sync] == headers + sum(moved) + repaired, sync
+        if sync == 2:
+            assert moved[0] == sizes[0]  # a.weight moved whole: its bucket's changes cost more than it, sent full
+    assert headers < sent[1] < full_bytes / 4  # ~3% of the elements moved
+    assert sent[4] == headers  # nothing moved: headers only
+
+
+def free_port_local() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_checksum_sees_one_flipped_bit_and_not_the_order_of_sums() -> None:
+    t = torch.randn(1000).to(torch.bfloat16)
+    flipped = t.clone()
+    bits(flipped)[123] ^= 1 << 3
+    assert checksum(t) == checksum(t.clone()) != checksum(flipped)
+    assert checksum(torch.tensor([-0.0])) != checksum(torch.tensor([0.0]))
+
+
+def test_delta_sync_needs_the_collective_sync():
+    from agentrl.config import ConfigError, load_config
+
+    assert load_config(None, ["rollout.weight_sync_delta=true"]).rollout.weight_sync_delta
+    with pytest.raises(ConfigError, match=r"rollout\.weight_sync_delta needs the collective weight sync"):
+        load_config(None, ["rollout.weight_sync_delta=true", "rollout.weight_sync=disk"])

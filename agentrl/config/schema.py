@@ -224,6 +224,12 @@ class RolloutConfig(Section):
     weights_dir: str | None = Field(
         None, description="weight_sync=disk: a folder every node sees (default: /dev/shm, one node only)"
     )
+    weight_sync_delta: bool = Field(
+        False,
+        description="collective sync: per bucket, send only the elements that changed since the last sync (in the "
+        "engines' dtype), when smaller; each end keeps a copy of the weights in host memory. Pays off with bf16 / "
+        "fp16 engines, where a step changes a few percent of the elements; a float32 step changes nearly all",
+    )
     weight_sync_timeout_s: PositiveFloat = Field(
         300.0,
         description="the weight-sync group's own timeout: joining it and each bucket's broadcast fail after this "
@@ -284,6 +290,11 @@ class RolloutConfig(Section):
             raise ValueError(
                 f"rollout.weight_sync=collective needs rollout.backend=vllm ({self.backend} reloads weights from "
                 "disk): use weight_sync: disk or auto"
+            )
+        if self.weight_sync_delta and self.resolved_weight_sync != "collective":
+            raise ValueError(
+                f"rollout.weight_sync_delta needs the collective weight sync (this run's is "
+                f"{self.resolved_weight_sync}: rollout.backend={self.backend}, weight_sync={self.weight_sync})"
             )
         return self
 

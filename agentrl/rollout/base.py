@@ -23,7 +23,7 @@ Completion = tuple[list[int], list[float], FinishReason]
 WeightSource = str | dict[str, Any]
 """Where new weights come from: a safetensors folder (rollout.weight_sync=disk), or a collective broadcast:
 {"group": SyncGroup fields, "first_rank": this engine's first rank in it, "metas": [(name, shape, dtype)],
-"bucket_bytes": int} (the router fills in first_rank per engine)."""
+"bucket_bytes": int, "delta": bool} (the router fills in first_rank per engine)."""
 
 
 @dataclass(frozen=True)

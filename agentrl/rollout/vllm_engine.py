@@ -197,7 +197,8 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         try:
             await self._llm.collective_rpc(
                 "receive_weights",
-                kwargs={k: source[k] for k in ("group", "first_rank", "metas", "bucket_bytes")},
+                kwargs={k: source[k] for k in ("group", "first_rank", "metas", "bucket_bytes")}
+                | {"delta": bool(source.get("delta"))},
             )
         except Exception as err:
             self._broken = f"collective weight load failed: {err}"

@@ -27,6 +27,7 @@ from agentrl.weight_buckets import (
     unpack_bucket,
     wait,
 )
+from agentrl.weight_delta import receive_bucket
 
 
 def receive_state_dict(
@@ -35,13 +36,18 @@ def receive_state_dict(
     device: torch.device,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     timeout_s: float | None = None,
+    bases: dict[int, torch.Tensor] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Receiver (an engine worker): yields (name, tensor) per bucket as it arrives, ready for `load_weights`.
     Each bucket waits at most `timeout_s` (on NCCL / HCCL a plain wait would not block, and a sender that died
-    would leave the device's stream hung): a failure raises, so no partial load passes for a sync."""
-    for bucket in plan_buckets(metas, bucket_bytes):
-        flat = torch.empty(sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=device)
-        wait(group.broadcast(flat, 0), timeout_s)
+    would leave the device's stream hung): a failure raises, so no partial load passes for a sync. With `bases`
+    (this worker's group's `GroupCache.bases`), a delta sync (`agentrl.weight_delta`)."""
+    for i, bucket in enumerate(plan_buckets(metas, bucket_bytes)):
+        if bases is None:
+            flat = torch.empty(sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=device)
+            wait(group.broadcast(flat, 0), timeout_s)
+        else:
+            flat = receive_bucket(group, bucket, i, bases, device, timeout_s)
         yield from unpack_bucket(flat, bucket)
 
 
@@ -64,9 +70,10 @@ class AgentrlWorkerExtension:
         the worker's own `reload_weights`, which some builds lack (vllm-ascend 0.23's NPUWorker)."""
         self.model_runner.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
 
-    def receive_weights(self, group: dict, first_rank: int, metas: list, bucket_bytes: int) -> int:
+    def receive_weights(self, group: dict, first_rank: int, metas: list, bucket_bytes: int, delta: bool = False) -> int:
         """Join (or reuse) the weight-sync group `group` (`SyncGroup` fields), receive every bucket and load it.
-        `metas` are (name, shape, dtype) triples: plain values travel through vLLM's RPC on every version."""
+        `metas` are (name, shape, dtype) triples: plain values travel through vLLM's RPC on every version.
+        `delta`: buckets may arrive as changes to the ones this worker received last in the same group."""
         if not hasattr(self, "_agentrl_groups"):
             self._agentrl_groups = GroupCache()
         rank = first_rank + int(getattr(self, "rank", 0))
@@ -75,7 +82,8 @@ class AgentrlWorkerExtension:
         wanted = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in metas]
         try:
             pg = self._agentrl_groups.get(where, rank=rank)
-            received = receive_state_dict(pg, wanted, device, bucket_bytes, where.timeout_s)
+            bases = self._agentrl_groups.bases if delta else None
+            received = receive_state_dict(pg, wanted, device, bucket_bytes, where.timeout_s, bases)
             # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
             # the layers and dropped their weight loaders; its in-place reload restores them around the load
             self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]

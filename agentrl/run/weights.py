@@ -44,6 +44,8 @@ class WeightSync:
         self.mode = cfg.rollout.resolved_weight_sync
         self.drain = "abort" if cfg.async_.partial_rollout else "wait"
         self.timeout_s = cfg.rollout.weight_sync_timeout_s
+        self.delta = cfg.rollout.weight_sync_delta
+        self.sent_bytes: int | None = None  # what the last collective sync broadcast (rank 0), for the step's metrics
         self.root = weights_dir(cfg.rollout.weights_dir, cfg.name)
         self._group: SyncGroup | None = None
         self._members: list | None = None  # who the group was built for
@@ -108,14 +110,14 @@ class WeightSync:
             self._group = SyncGroup(addr, port, world, self.backend, self.timeout_s)
             self._members = members
         where = asdict(self._group)
-        source = {"group": where, "metas": self._metas, "bucket_bytes": DEFAULT_BUCKET_BYTES}
+        source = {"group": where, "metas": self._metas, "bucket_bytes": DEFAULT_BUCKET_BYTES, "delta": self.delta}
         updated = self.router.update_weights.remote(source, version, self.drain, members)
         if not members:  # no engine to send to: the router still records the version for engines that rejoin
             await updated
             return
-        sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES)
+        sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES, self.delta)
         # both sides at once; the first failure ends the wait (the other side then times out in its group)
-        await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
+        _, self.sent_bytes = await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
 
     def close(self) -> None:
         """The writer removes its snapshots (on its own node)."""

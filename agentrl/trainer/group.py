@@ -137,10 +137,11 @@ class TrainerGroup:
         self._check_pending()
         return ray.get(self.ranks[0].sync_address.remote())
 
-    def broadcast_weights_async(self, where: dict, dtype: str, bucket_bytes: int) -> ray.ObjectRef:
+    def broadcast_weights_async(self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False) -> ray.ObjectRef:
         """Start sending the current weights over the weight-sync group `where` (SyncGroup fields); the engines
-        must receive meanwhile, so this returns rank 0's ref (bytes sent) instead of waiting."""
-        return self._call("broadcast_weights", where, dtype, bucket_bytes)
+        must receive meanwhile, so this returns rank 0's ref (bytes sent) instead of waiting. `delta`: only what
+        changed since the last sync in the same group travels (rollout.weight_sync_delta)."""
+        return self._call("broadcast_weights", where, dtype, bucket_bytes, delta)
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
         """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, policy version, optimizer steps."""

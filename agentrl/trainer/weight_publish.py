@@ -87,10 +87,11 @@ class WeightPublisher:
         metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         return [(m.name, list(m.shape), m.dtype) for m in metas]
 
-    def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int) -> int:
+    def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False) -> int:
         """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
         (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
-        Returns the bytes sent (rank 0).
+        Returns the bytes sent (rank 0). `delta`: send each bucket's changes since the last sync in this group
+        when smaller (`agentrl.weight_delta`).
 
         An engine that dies or hangs in the group fails the sync within the group's timeout (`SyncError` from
         rank 0), never the trainer: rank 0 still walks every gather with the other ranks, drops (aborts) the
@@ -105,7 +106,10 @@ class WeightPublisher:
         metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         full = self.backend.full_weights(self.model, self.tied)
         try:
-            sent = weight_sync.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s)
+            bases = self._sync_groups.bases if delta else None
+            sent = weight_sync.broadcast_weights(
+                group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s, bases
+            )
         except SyncError:
             self._sync_groups.fail()
             self._pack_buffer = PackBuffer()  # an aborted send may still hold the old one

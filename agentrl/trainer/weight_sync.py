@@ -25,6 +25,7 @@ from agentrl.weight_buckets import (
     plan_buckets,
     wait,
 )
+from agentrl.weight_delta import send_bucket
 
 
 def weight_metas(metas: Iterable[tuple[str, Sequence[int], torch.dtype]], dtype: torch.dtype) -> list[TensorMeta]:
@@ -72,9 +73,12 @@ def broadcast_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     buffer: PackBuffer | None = None,
     timeout_s: float | None = None,
+    bases: dict[int, torch.Tensor] | None = None,
 ) -> int:
     """Collective over the trainer ranks: the sender (rank 0 of `group` too) sends each bucket; the other ranks
-    pass group None and only take part in the gathers. Returns the bytes sent.
+    pass group None and only take part in the gathers. Returns the bytes sent. With `bases` (the sender's group's
+    `GroupCache.bases`), a delta sync: each bucket travels as its changes since the last sync when that is
+    smaller (`agentrl.weight_delta`).
 
     A failed send (an engine died or hung in the group: each bucket may take `timeout_s`) does not end the walk:
     the sender stops sending but takes part in every remaining gather, so the other trainer ranks, which cannot
@@ -90,8 +94,11 @@ def broadcast_weights(
         if flat is None:
             continue
         try:
-            wait(group.broadcast(flat, 0), timeout_s)
-            sent += flat.numel() * flat.element_size()
+            if bases is None:
+                wait(group.broadcast(flat, 0), timeout_s)
+                sent += flat.numel() * flat.element_size()
+            else:
+                sent += send_bucket(group, flat, i, bases, timeout_s)
         except Exception as err:  # the group's error (a peer's reset, a timeout): this sync fails, not the trainer
             failures.append(f"bucket {i + 1} of {buckets} after {time.monotonic() - started:.1f} s: {_first_line(err)}")
     if failures:
