@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -268,6 +269,181 @@ def _rounded(x: Any) -> Any:
     return x
 
 
+# ---- full vs delta buckets: the codec over a gloo group, no engine ------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "agentic_sokoban.yaml")
+EXAMPLE_BATCH = os.path.join(REPO, "tests", "data", "batches", "agentic_sokoban.jsonl.gz")
+# Qwen2.5-0.5B's shapes (494M parameters, the embedding tied): random bf16 values
+QWEN_05B = {"layers": 24, "hidden": 896, "intermediate": 4864, "heads": 14, "kv_heads": 2, "vocab": 151936}
+
+
+def _bf16_weights(rank: Any) -> dict[str, Any]:
+    """In trainer rank 0: the full weights as the engines would get them (bf16)."""
+    import torch
+
+    return {k: v.detach().to(torch.bfloat16).clone() for k, v in rank.backend.full_weights(rank.model, rank.tied)}
+
+
+def training_steps(lr: float, steps: int) -> list[dict[str, Any]]:
+    """The tiny model's bf16 weights before and after each of `steps` RL steps of the default example (its config at
+    learning rate `lr`, its recorded real batch, the FSDP2 trainer): what consecutive checkpoints hold."""
+    from agentrl.batch_files import load_batch
+    from agentrl.config import load_config
+    from agentrl.trainer import TrainerGroup
+
+    cfg = load_config(EXAMPLE, [f"trainer.optim.lr={lr}", "trainer.optim.warmup_steps=0", f"name=bench-ws-lr{lr:g}"])
+    samples = load_batch(EXAMPLE_BATCH)
+    trainer = TrainerGroup(cfg, model_path("tiny", ""))
+    try:
+        states = [ray.get(trainer.ranks[0].__ray_call__.remote(_bf16_weights))]
+        for _ in range(steps):
+            trainer.train_step(samples)
+            states.append(ray.get(trainer.ranks[0].__ray_call__.remote(_bf16_weights)))
+    finally:
+        trainer.shutdown()
+    return states
+
+
+def changed_fraction(before: dict[str, Any], after: dict[str, Any]) -> float:
+    from agentrl.weight_delta import bits
+
+    changed = sum(int((bits(after[k]) != bits(before[k])).sum()) for k in before)
+    return changed / sum(t.numel() for t in before.values())
+
+
+def qwen_shapes(spec: dict[str, int]) -> list[tuple[str, tuple[int, ...]]]:
+    h, inter = spec["hidden"], spec["intermediate"]
+    kv = h // spec["heads"] * spec["kv_heads"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (spec["vocab"], h))]
+    for i in range(spec["layers"]):
+        p = f"model.layers.{i}."
+        shapes += [(p + "self_attn.q_proj.weight", (h, h)), (p + "self_attn.q_proj.bias", (h,)),
+                   (p + "self_attn.k_proj.weight", (kv, h)), (p + "self_attn.k_proj.bias", (kv,)),
+                   (p + "self_attn.v_proj.weight", (kv, h)), (p + "self_attn.v_proj.bias", (kv,)),
+                   (p + "self_attn.o_proj.weight", (h, h)), (p + "mlp.gate_proj.weight", (inter, h)),
+                   (p + "mlp.up_proj.weight", (inter, h)), (p + "mlp.down_proj.weight", (h, inter)),
+                   (p + "input_layernorm.weight", (h,)), (p + "post_attention_layernorm.weight", (h,))]  # fmt: skip
+    return [*shapes, ("model.norm.weight", (h,))]
+
+
+def _align(group: Any) -> None:
+    import torch
+
+    group.allreduce(torch.zeros(1)).wait()
+
+
+def _codec_receiver(port: int, metas: list, schedule: list[str], queue: Any) -> None:
+    """An engine worker's receiving end (receive_state_dict), timed per sync from a common start."""
+    import torch
+
+    from agentrl.rollout.vllm_worker import receive_state_dict
+    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, new_group
+    from agentrl.weight_delta import checksum
+
+    torch.set_num_threads(1)
+    group = new_group("gloo", "127.0.0.1", port, 1, 2, timeout_s=600)
+    bases: dict = {}
+    for mode in schedule:
+        _align(group)
+        t0 = time.perf_counter()
+        got = list(receive_state_dict(group, metas, torch.device("cpu"), DEFAULT_BUCKET_BYTES, 600,
+                                      bases if mode == "delta" else None))  # fmt: skip
+        seconds = time.perf_counter() - t0
+        queue.put((seconds, [checksum(t.contiguous().view(-1)) for _, t in got]))
+
+
+def codec_case(states: Any, steps: int) -> dict[str, Any]:
+    """Per step, the same weights synced twice to one receiver process over gloo: full buckets, then delta buckets
+    (against the delta path's own bases). `states(i)` gives the weights at step i (0: the warm-up, a full sync both
+    ways). Seconds from a common start to the receiver holding every tensor; bytes broadcast by the sender."""
+    import multiprocessing as mp
+
+    from agentrl.trainer.weight_sync import broadcast_weights
+    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, PackBuffer, meta_of, new_group
+    from agentrl.weight_delta import checksum
+
+    first = states(0)
+    metas = [meta_of(k, v) for k, v in first]
+    schedule = ["full", "delta"] * (steps + 1)
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_codec_receiver, args=(port, metas, schedule, queue), daemon=True)
+    proc.start()
+    out: dict[str, Any] = {"params": sum(m.numel for m in metas), "dtype": metas[0].dtype}
+    try:
+        group = new_group("gloo", "127.0.0.1", port, 0, 2, timeout_s=600)
+        buffer, bases = PackBuffer(), {}
+        rows: dict[str, list[tuple[float, float, int]]] = {"full": [], "delta": []}
+        for step in range(steps + 1):
+            named = first if step == 0 else states(step)
+            sums = [checksum(t.contiguous().view(-1)) for _, t in named]
+            for mode in ("full", "delta"):
+                _align(group)
+                t0 = time.perf_counter()
+                sent = broadcast_weights(group, named, metas, DEFAULT_BUCKET_BYTES, buffer, 600,
+                                         bases if mode == "delta" else None)  # fmt: skip
+                sender_s = time.perf_counter() - t0
+                receiver_s, got = queue.get(timeout=600)
+                assert got == sums, f"{mode} sync at step {step}: the receiver's weights differ from the sender's"
+                if step:
+                    rows[mode].append((receiver_s, sender_s, sent))
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+    for mode, r in rows.items():
+        out[mode] = {"seconds": statistics.median(x[0] for x in r), "sender_s": statistics.median(x[1] for x in r),
+                     "bytes": statistics.median(x[2] for x in r)}  # fmt: skip
+    out["delta_vs_full_seconds"] = out["delta"]["seconds"] / out["full"]["seconds"]
+    out["delta_vs_full_bytes"] = out["delta"]["bytes"] / out["full"]["bytes"]
+    return out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_delta(steps: int, lrs: list[float], big: bool) -> dict[str, Any]:
+    """Full vs delta buckets: on the tiny model's real consecutive weights at each learning rate, and on a random
+    ~0.5B model (Qwen2.5-0.5B's shapes) whose steps change the fraction of elements the tiny model's did."""
+    import torch
+
+    out: dict[str, Any] = {}
+    fractions: dict[str, float] = {}
+    for lr in lrs:
+        states = training_steps(lr, steps)
+        per_step = [changed_fraction(a, b) for a, b in itertools.pairwise(states)]
+        fractions[f"{lr:g}"] = statistics.median(per_step[1:] or per_step)  # the first Adam step moves the most
+        case = codec_case(lambda i, states=states: list(states[i].items()), steps)
+        out[f"tiny_lr{lr:g}"] = {"changed_fraction_per_step": per_step, **case}
+        print(f"delta tiny lr={lr:g}: {json.dumps(_rounded(out[f'tiny_lr{lr:g}']))}", file=sys.stderr, flush=True)
+    if not big:
+        return out
+    shapes = qwen_shapes(QWEN_05B)
+    for lr, fraction in fractions.items():
+        g = torch.Generator().manual_seed(0)
+        weights = [(name, (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)) for name, shape in shapes]
+
+        def states(i: int, weights=weights, fraction=fraction, g=g) -> list[tuple[str, Any]]:
+            for _, t in weights if i else ():  # a step: `fraction` of the elements move (by ~1%: a new bf16 value)
+                moved = torch.rand(t.shape, generator=g) < fraction
+                t[moved] = t[moved] * 1.01 + 1e-4
+            return weights
+
+        case = codec_case(states, steps)
+        out[f"qwen0.5b_at_lr{lr}_fraction"] = {"changed_fraction": fraction, **case}
+        print(f"delta 0.5b lr={lr}: {json.dumps(_rounded(out[f'qwen0.5b_at_lr{lr}_fraction']))}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        del weights
+    return out
+
+
 def model_path(model: str, tmp: str) -> str:
     from agentrl.models.tiny import TinySpec, build_tiny_model, resolve_model_path
 
@@ -281,18 +457,30 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     ap.add_argument("--syncs", type=int, default=5, help="timed syncs per path (after one warm-up)")
     ap.add_argument("--copies", type=int, default=5, help="timed in-memory copies")
+    ap.add_argument(
+        "--cases", nargs="+", choices=("engine", "delta"), default=["engine", "delta"],
+        help="engine: disk vs collective syncs into a vLLM engine; delta: full vs delta buckets",
+    )  # fmt: skip
+    ap.add_argument("--delta-steps", type=int, default=3, help="training steps (and timed syncs) per delta case")
+    ap.add_argument(
+        "--lrs", type=float, nargs="+", default=[1e-4, 1e-6],
+        help="learning rates of the delta cases: the default example's, and a 7B full fine-tune's",
+    )  # fmt: skip
+    ap.add_argument("--no-big", action="store_true", help="delta: leave out the ~0.5B model")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     result: dict[str, Any] = {"syncs": args.syncs, "cpus": os.cpu_count(), "engines": 1, "trainer_ranks": 1}
     tmp = tempfile.mkdtemp(prefix="agentrl-bench-ws-")
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
-        for model in args.models:
+        for model in args.models if "engine" in args.cases else ():
             t = time.perf_counter()
             path = model_path(model, tmp)
             build_s = time.perf_counter() - t
             result[model] = {"build_s": build_s, **asyncio.run(measure(model, path, args.syncs, args.copies))}
             print(f"{model}: {json.dumps(_rounded(result[model]))}", file=sys.stderr, flush=True)
+        if "delta" in args.cases:
+            result["delta"] = measure_delta(args.delta_steps, args.lrs, not args.no_big)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
