@@ -116,7 +116,7 @@ def _pack_probe(rank: Any, dtype: str, bucket_bytes: int, repeats: int) -> dict[
     """The sender's work without the network: gather (full_tensor) + cast + pack every bucket, median seconds."""
     import torch
 
-    from agentrl.trainer.weight_sync import stream_weights, weight_metas
+    from agentrl.weightsync.send import stream_weights, weight_metas
 
     metas = weight_metas(rank.backend.weight_metas(rank.model, rank.tied), getattr(torch, dtype))
     times, buckets = [], 0
@@ -141,7 +141,7 @@ def _cfg(mode: str, name: str):
 async def _collective_parts(sync: Any, trainer: Any, router: Any, version: int) -> dict[str, float]:
     """One collective sync done by hand as WeightSync._sync_collective does it (the group it built is reused),
     timing when rank 0's broadcast returns and when the engine has loaded."""
-    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES
+    from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES
 
     t0 = time.perf_counter()
     plan = await router.weight_sync_members.remote()
@@ -175,7 +175,7 @@ async def measure(model: str, path: str, syncs: int, copies: int) -> dict[str, A
     from agentrl.rollout.fleet import engine_kwargs, engine_options, start_router
     from agentrl.run.weights import WeightSync
     from agentrl.trainer import TrainerGroup
-    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES
+    from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES
 
     out: dict[str, Any] = {"model_path": path}
     rcfg = RolloutConfig(num_engines=1)
@@ -306,7 +306,7 @@ def training_steps(lr: float, steps: int) -> list[dict[str, Any]]:
 
 
 def changed_fraction(before: dict[str, Any], after: dict[str, Any]) -> float:
-    from agentrl.weight_delta import bits
+    from agentrl.weightsync.delta import bits
 
     changed = sum(int((bits(after[k]) != bits(before[k])).sum()) for k in before)
     return changed / sum(t.numel() for t in before.values())
@@ -337,9 +337,9 @@ def _codec_receiver(port: int, metas: list, schedule: list[str], queue: Any) -> 
     """An engine worker's receiving end (receive_state_dict), timed per sync from a common start."""
     import torch
 
-    from agentrl.rollout.vllm_worker import receive_state_dict
-    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, new_group
-    from agentrl.weight_delta import checksum
+    from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES, new_group
+    from agentrl.weightsync.delta import checksum
+    from agentrl.weightsync.receive import receive_state_dict
 
     torch.set_num_threads(1)
     group = new_group("gloo", "127.0.0.1", port, 1, 2, timeout_s=600)
@@ -359,9 +359,9 @@ def codec_case(states: Any, steps: int) -> dict[str, Any]:
     ways). Seconds from a common start to the receiver holding every tensor; bytes broadcast by the sender."""
     import multiprocessing as mp
 
-    from agentrl.trainer.weight_sync import broadcast_weights
-    from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, PackBuffer, meta_of, new_group
-    from agentrl.weight_delta import checksum
+    from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES, PackBuffer, meta_of, new_group
+    from agentrl.weightsync.delta import checksum
+    from agentrl.weightsync.send import broadcast_weights
 
     first = states(0)
     metas = [meta_of(k, v) for k, v in first]

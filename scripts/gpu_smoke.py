@@ -144,7 +144,7 @@ def trainer_config(smoke: Smoke, *overrides: str, precision: str | None = None):
 
 def new_rank(cfg, path: str):
     from agentrl.trainer.worker import TrainerRank
-    from agentrl.weight_buckets import free_port
+    from agentrl.weightsync.buckets import free_port
 
     rank = TrainerRank(cfg.model_dump(mode="json", by_alias=True), path, 0, 1)
     rank.setup("127.0.0.1", free_port())
@@ -310,7 +310,7 @@ def weight_sync(smoke: Smoke) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
-    from agentrl.weight_buckets import free_port, new_group
+    from agentrl.weightsync.buckets import free_port, new_group
 
     lines = []
     if not smoke.cpu:  # the NCCL group the collective sync builds, at world size 1 (NCCL refuses 2 ranks on 1 GPU)
@@ -358,12 +358,12 @@ def weight_sync(smoke: Smoke) -> list[dict]:
 
 def receive(spec: str) -> int:
     """The second process of the weight_sync phase: joins the gloo group as rank 1, receives every bucket as an
-    engine worker does (`agentrl.rollout.vllm_worker.receive_state_dict`) and saves what arrived."""
+    engine worker does (`agentrl.weightsync.receive.receive_state_dict`) and saves what arrived."""
     import torch
     from safetensors.torch import save_file
 
-    from agentrl.rollout.vllm_worker import receive_state_dict
-    from agentrl.weight_buckets import SyncGroup, TensorMeta, new_group
+    from agentrl.weightsync.buckets import SyncGroup, TensorMeta, new_group
+    from agentrl.weightsync.receive import receive_state_dict
 
     args = json.loads(spec)
     where = SyncGroup(**args["where"])

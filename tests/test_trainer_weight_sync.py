@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from agentrl.rollout.vllm_worker import receive_state_dict
-from agentrl.trainer.weight_sync import broadcast_weights
 from agentrl.trainer.worker import TrainerRank
-from agentrl.weight_buckets import PackBuffer, meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
-from agentrl.weight_delta import bits, checksum
+from agentrl.weightsync.buckets import PackBuffer, meta_of, new_group, pack_bucket, plan_buckets, unpack_bucket
+from agentrl.weightsync.delta import bits, checksum
+from agentrl.weightsync.receive import receive_state_dict
+from agentrl.weightsync.send import broadcast_weights
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ def test_the_sync_store_listens_on_a_port_of_rollout_weight_sync_ports():
     port serves every sync; a range with no free port fails naming the key. The rank is the real method on a
     stand-in."""
     from agentrl.config import load_config
-    from agentrl.weight_buckets import GroupCache, SyncError, SyncGroup
+    from agentrl.weightsync.buckets import GroupCache, SyncError, SyncGroup
     from tests.servers import free_port
 
     base = free_port()

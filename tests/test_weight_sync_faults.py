@@ -24,10 +24,10 @@ import torch
 
 from agentrl.config import load_config
 from agentrl.models.tiny import TinySpec, build_tiny_model
-from agentrl.rollout.vllm_worker import receive_state_dict
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Sample
-from agentrl.weight_buckets import SyncGroup, TensorMeta, new_group
+from agentrl.weightsync.buckets import SyncGroup, TensorMeta, new_group
+from agentrl.weightsync.receive import receive_state_dict
 from tests.servers import free_port
 
 TIMEOUT_S = 5.0  # rollout.weight_sync_timeout_s: the weight-sync group's own timeout

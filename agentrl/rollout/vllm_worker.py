@@ -6,7 +6,7 @@ lm_head tied to the input embedding: that head keeps computing logits from the *
 greedy tokens looked right, sampled tokens were near-uniform noise). Re-dispatching every layer that still holds
 its weight fixes it; layers whose weights vLLM removed after packing were re-packed by the reload itself.
 
-`receive_weights`: the receiving end of the collective weight sync whose sender is `agentrl.trainer.weight_sync`.
+`receive_weights`: the receiving end of the collective weight sync (`agentrl.weightsync`).
 Each worker (one per tensor-parallel rank) joins the group as rank `first_rank + self.rank`, receives every
 bucket in full and hands the tensors to vLLM's in-place `reload_weights`, whose weight loaders keep this rank's
 shard.
@@ -14,41 +14,8 @@ shard.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import torch
-
-from agentrl.weight_buckets import (
-    DEFAULT_BUCKET_BYTES,
-    GroupCache,
-    SyncGroup,
-    TensorMeta,
-    plan_buckets,
-    unpack_bucket,
-    wait,
-)
-from agentrl.weight_delta import receive_bucket
-
-
-def receive_state_dict(
-    group,
-    metas: list[TensorMeta],
-    device: torch.device,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    timeout_s: float | None = None,
-    bases: dict[int, torch.Tensor] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Receiver (an engine worker): yields (name, tensor) per bucket as it arrives, ready for `load_weights`.
-    Each bucket waits at most `timeout_s` (on NCCL / HCCL a plain wait would not block, and a sender that died
-    would leave the device's stream hung): a failure raises, so no partial load passes for a sync. With `bases`
-    (this worker's group's `GroupCache.bases`), a delta sync (`agentrl.weight_delta`)."""
-    for i, bucket in enumerate(plan_buckets(metas, bucket_bytes)):
-        if bases is None:
-            flat = torch.empty(sum(m.numel for m in bucket), dtype=bucket[0].torch_dtype, device=device)
-            wait(group.broadcast(flat, 0), timeout_s)
-        else:
-            flat = receive_bucket(group, bucket, i, bases, device, timeout_s)
-        yield from unpack_bucket(flat, bucket)
+from agentrl.weightsync.buckets import GroupCache, SyncGroup, TensorMeta
+from agentrl.weightsync.receive import receive_state_dict
 
 
 class AgentrlWorkerExtension:

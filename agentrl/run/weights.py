@@ -30,7 +30,7 @@ import ray
 from agentrl.config import Config, ConfigError
 from agentrl.platform import Platform
 from agentrl.trainer import TrainerGroup
-from agentrl.weight_buckets import DEFAULT_BUCKET_BYTES, SyncGroup
+from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES, SyncGroup
 
 
 class WeightSync:

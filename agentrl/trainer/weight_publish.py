@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from agentrl.config.schema import Config
-from agentrl.trainer import weight_sync
 from agentrl.trainer.backends import ModelBackend
 from agentrl.trainer.checkpoint import copy_hf_side_files, write_safetensors
-from agentrl.weight_buckets import GroupCache, PackBuffer, SyncError, SyncGroup, free_port
+from agentrl.weightsync import send
+from agentrl.weightsync.buckets import GroupCache, PackBuffer, SyncError, SyncGroup, free_port
 
 
 class WeightPublisher:
@@ -84,14 +84,14 @@ class WeightPublisher:
     def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
         """Names, full shapes and dtypes of what `broadcast_weights` sends, as plain values (engines receive them
         through vLLM's RPC): the receivers allocate from them."""
-        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        metas = send.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         return [(m.name, list(m.shape), m.dtype) for m in metas]
 
     def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False) -> int:
         """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
         (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
         Returns the bytes sent (rank 0). `delta`: send each bucket's changes since the last sync in this group
-        when smaller (`agentrl.weight_delta`).
+        when smaller (`agentrl.weightsync.delta`).
 
         An engine that dies or hangs in the group fails the sync within the group's timeout (`SyncError` from
         rank 0), never the trainer: rank 0 still walks every gather with the other ranks, drops (aborts) the
@@ -103,11 +103,11 @@ class WeightPublisher:
                 group = self._sync_groups.get(sync, rank=0)
             except Exception as err:  # an engine that never joined: the store or the group timed out
                 join_error = err
-        metas = weight_sync.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        metas = send.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
         full = self.backend.full_weights(self.model, self.tied)
         try:
             bases = self._sync_groups.bases if delta else None
-            sent = weight_sync.broadcast_weights(
+            sent = send.broadcast_weights(
                 group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s, bases
             )
         except SyncError:

@@ -51,7 +51,7 @@ from agentrl.trainer.rl_batch import (
 )
 from agentrl.trainer.weight_publish import WeightPublisher
 from agentrl.types import REPORTED_ADVANTAGES, Sample
-from agentrl.weight_buckets import GroupCache, PackBuffer
+from agentrl.weightsync.buckets import GroupCache, PackBuffer
 
 
 class TrainerRank(WeightPublisher):

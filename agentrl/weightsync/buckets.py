@@ -1,6 +1,6 @@
 """The flat-bucket format of the collective weight broadcast, shared by its two ends.
 
-The sender (trainer rank 0, `agentrl.trainer.weight_sync`) and the receivers (engine workers,
+The sender (trainer rank 0, `agentrl.weightsync.send`) and the receivers (engine workers,
 `agentrl.rollout.vllm_worker`) compute the same bucket plan from the same tensor metadata and join the same
 process group, so this module depends on neither side.
 """
@@ -201,7 +201,7 @@ class GroupCache:
     def __init__(self) -> None:
         self._key: tuple | None = None
         self._group = None
-        # delta sync (agentrl.weight_delta): each bucket's content as of the last sync in this group; a new group
+        # delta sync (agentrl.weightsync.delta): each bucket's content as of the last sync in this group; a new group
         # starts without, so its first sync is full on both ends
         self.bases: dict[int, torch.Tensor] = {}
 

@@ -6,7 +6,7 @@ backend's `full_weights` in step (each weight is gathered from its shards: FSDP2
 tensor/pipeline gathers); rank 0 casts each to the engines' dtype, packs it into the current bucket and
 broadcasts the bucket when it is full. At most one bucket of full weights exists at a time, so a model that only
 fits sharded still syncs, and no copy goes through host memory on an accelerator. The receiving end is
-`agentrl.rollout.vllm_worker`; the bucket format both ends share is `agentrl.weight_buckets`.
+`agentrl.rollout.vllm_worker`; the bucket format both ends share is `agentrl.weightsync.buckets`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from agentrl.weight_buckets import (
+from agentrl.weightsync.buckets import (
     DEFAULT_BUCKET_BYTES,
     PackBuffer,
     SyncError,
@@ -25,7 +25,7 @@ from agentrl.weight_buckets import (
     plan_buckets,
     wait,
 )
-from agentrl.weight_delta import send_bucket
+from agentrl.weightsync.delta import send_bucket
 
 
 def weight_metas(metas: Iterable[tuple[str, Sequence[int], torch.dtype]], dtype: torch.dtype) -> list[TensorMeta]:
@@ -78,7 +78,7 @@ def broadcast_weights(
     """Collective over the trainer ranks: the sender (rank 0 of `group` too) sends each bucket; the other ranks
     pass group None and only take part in the gathers. Returns the bytes sent. With `bases` (the sender's group's
     `GroupCache.bases`), a delta sync: each bucket travels as its changes since the last sync when that is
-    smaller (`agentrl.weight_delta`).
+    smaller (`agentrl.weightsync.delta`).
 
     A failed send (an engine died or hung in the group: each bucket may take `timeout_s`) does not end the walk:
     the sender stops sending but takes part in every remaining gather, so the other trainer ranks, which cannot

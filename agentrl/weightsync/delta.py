@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.weight_buckets import TensorMeta, wait
+from agentrl.weightsync.buckets import TensorMeta, wait
 
 FULL, SPARSE = 0, 1
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
