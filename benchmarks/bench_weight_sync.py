@@ -288,8 +288,8 @@ def _bf16_weights(rank: Any) -> dict[str, Any]:
 def training_steps(lr: float, steps: int) -> list[dict[str, Any]]:
     """The tiny model's bf16 weights before and after each of `steps` RL steps of the default example (its config at
     learning rate `lr`, its recorded real batch, the FSDP2 trainer): what consecutive checkpoints hold."""
-    from agentrl.batch_files import load_batch
     from agentrl.config import load_config
+    from agentrl.run.batch_files import load_batch
     from agentrl.trainer import TrainerGroup
 
     cfg = load_config(EXAMPLE, [f"trainer.optim.lr={lr}", "trainer.optim.warmup_steps=0", f"name=bench-ws-lr{lr:g}"])

@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentrl.batch_files import batch_path, load_batch, save_batch
+from agentrl.run.batch_files import batch_path, load_batch, save_batch
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "data" / "batches"

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.checkpoint_paths import CheckpointPathError, hf_dir_for_eval, resolve_model_source
 from agentrl.cli import build_parser, main, rollout_cmd
+from agentrl.run.checkpoint_paths import CheckpointPathError, hf_dir_for_eval, resolve_model_source
 from agentrl.run.state import RunState, Snapshot, TaskSchedule, save_run_state
 from tests.servers import free_port
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.batch_files import load_batch
 from agentrl.config import load_config
+from agentrl.run.batch_files import load_batch
 from agentrl.trainer import model as M
 from agentrl.trainer import prompt_sharing as PS
 from agentrl.trainer.worker import TrainerRank

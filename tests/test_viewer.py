@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.batch_files import batch_path, load_batch
+from agentrl.run.batch_files import batch_path, load_batch
 from agentrl.run.episode_log import episodes_file, read_episodes
 from agentrl.trainer import advantages as adv_lib
 from tests.servers import free_port, wait_until_healthy

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _export(args: argparse.Namespace) -> int:
-    from agentrl.checkpoint_paths import CheckpointPathError, resolve_model_source
+    from agentrl.run.checkpoint_paths import CheckpointPathError, resolve_model_source
     from agentrl.trainer.checkpoint import export_hf
 
     try:

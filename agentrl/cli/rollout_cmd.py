@@ -97,7 +97,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _checkpoint_model_dir(path: str) -> Path:
     """The HF model dir `--checkpoint` names (a trainer checkpoint is exported next to itself first)."""
-    from agentrl.checkpoint_paths import CheckpointPathError, hf_dir_for_eval, resolve_model_source
+    from agentrl.run.checkpoint_paths import CheckpointPathError, hf_dir_for_eval, resolve_model_source
 
     try:
         source = resolve_model_source(path)

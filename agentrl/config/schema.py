@@ -513,7 +513,7 @@ class LoggingConfig(Section):
     save_batches: bool = Field(
         False,
         description="write every RL batch the trainer takes to RUN_DIR/batches/step-NNNNNN.jsonl.gz (its samples: "
-        "tokens, masks, log-probs, versions, rewards; agentrl.batch_files.load_batch reads one back)",
+        "tokens, masks, log-probs, versions, rewards; agentrl.run.batch_files.load_batch reads one back)",
     )
     sample_every_steps: int = Field(
         10,

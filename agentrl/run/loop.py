@@ -25,13 +25,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from agentrl.batch_files import batch_path, save_batch
 from agentrl.config import Config
 from agentrl.envmanager.manager import FirstOfKind, evaluate
 from agentrl.observe.console import RunView
 from agentrl.observe.metrics import MetricsSink
 from agentrl.observe.step_metrics import batch_metrics
 from agentrl.rollout.health import fleet_metrics
+from agentrl.run.batch_files import batch_path, save_batch
 from agentrl.run.buffer import Admission, RolloutStalled, SampleBuffer
 from agentrl.run.episode_log import EpisodeLog, TokenTexts, advantages_by_episode, pick, sample_indices
 from agentrl.run.parts import RunParts

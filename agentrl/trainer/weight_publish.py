@@ -107,9 +107,7 @@ class WeightPublisher:
         full = self.backend.full_weights(self.model, self.tied)
         try:
             bases = self._sync_groups.bases if delta else None
-            sent = send.broadcast_weights(
-                group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s, bases
-            )
+            sent = send.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s, bases)
         except SyncError:
             self._sync_groups.fail()
             self._pack_buffer = PackBuffer()  # an aborted send may still hold the old one
