@@ -37,7 +37,7 @@ class GenOutput:
     finish_reason: FinishReason
     version: int
     versions: list[int] = field(default_factory=list)
-    preempted: bool = False  # aborted by pause()/update_weights, not by the caller: safe to resume
+    preempted: bool = False  # aborted by a weight update's drain, not by the caller: safe to resume
     resumes: int = 0  # times this generation was preempted and continued on newer weights
     engine: int = -1  # index of the engine that served it (set by the router)
 

@@ -14,6 +14,7 @@ import pytest
 from agentrl.config.schema import RewardConfig, RewardFnSpec
 from agentrl.reward import Episode, RewardPool
 from agentrl.reward.judge import DEFAULT_TEMPLATE, JudgeParseError, build_prompt, parse_score
+from tests.router_probes import engines_alive
 
 EPISODE = Episode(
     messages=[{"role": "user", "content": "What is 6 * 7?"}, {"role": "assistant", "content": "<answer>42</answer>"}],
@@ -155,4 +156,4 @@ async def test_vllm_judge_timeout_then_recovers(judge_router, tiny_model_path) -
     ok = RewardPool(judge_cfg(model_path=tiny_model_path, on_unparsable=0.0), judge_router=judge_router, local=True)
     again = await asyncio.wait_for(ok.score(EPISODE), 60)
     assert again.score is not None and 0.0 <= again.score <= 1.0
-    assert all(await judge_router.alive.remote())  # the timed-out request killed no engine of the fleet
+    assert all(await engines_alive(judge_router))  # the timed-out request killed no engine of the fleet

@@ -23,6 +23,7 @@ from agentrl.rollout.router import Router
 from agentrl.rollout.turn_mailbox import TurnMailbox, portable_error
 from agentrl.types import GenOutput
 from tests.conftest import TEST_KV_CACHE_GIB
+from tests.router_probes import engines_alive, sticky_engine
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 QUICK = SamplingConfig(max_tokens=4)
@@ -71,10 +72,6 @@ class FakeEngine(TurnMailbox):
         if self.health_mode == "hang":
             await asyncio.sleep(3600)
         return {"ok": self.health_mode == "ok" and not self.core_dead, "dead": self.core_dead}
-
-    async def pause(self) -> None: ...
-
-    async def resume(self) -> None: ...
 
     async def stats(self) -> dict:
         return {"generated": self.generated, "started": self.started}
@@ -172,11 +169,9 @@ async def test_fake_core_death_in_update_weights_drains_and_does_not_raise(ray_s
     router = _router(ray_session, engines, interval_s=60.0)
     await engines[1].break_core.remote()
     await router.update_weights.remote("/weights/v1", 1)  # raised EngineDeadError out of the router before
-    assert await router.alive.remote() == [True, False]
+    assert await engines_alive(router) == [True, False]
     outs = await asyncio.gather(*(router.generate.remote(f"e{i}", PROMPT, QUICK, f"r{i}") for i in range(4)))
     assert {o.engine for o in outs} == {0}
-    await router.pause.remote()
-    await router.resume.remote()
     status = await router.fleet_status.remote()
     assert (status["live"], status["deaths"], status["restarts"]) == (1, 1, 0)
     (event,) = status["events"]  # found by the failed update or by the first health round, whichever came first
@@ -347,7 +342,7 @@ async def test_episodes_that_start_together_share_one_lease_call_and_one_release
     for i in range(64):
         client.release(f"e{i}")
     deadline = time.monotonic() + 10
-    while any([await router.sticky_engine.remote(f"e{i}") is not None for i in range(64)]):
+    while any([await sticky_engine(router, f"e{i}") is not None for i in range(64)]):
         assert time.monotonic() < deadline, "the router still holds released episodes"
     assert router.calls["release"] == 1
     await client.close()
@@ -378,7 +373,7 @@ async def test_fake_direct_call_reports_a_dead_core_and_the_retry_lands_elsewher
     status, events = await _until(router, lambda s: s["deaths"] == 1, 5)
     assert status["live"] == 1 and "fake engine core died" in events[0], events
     again = await generate_resumable(lambda ids, s, rid: client.generate("ep", ids, s, rid), PROMPT, QUICK, "r2")
-    assert again.token_ids == [1] and (await router.sticky_engine.remote("ep")) == 1 - first.engine
+    assert again.token_ids == [1] and (await sticky_engine(router, "ep")) == 1 - first.engine
     await client.close()
 
 

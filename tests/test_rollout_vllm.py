@@ -15,6 +15,7 @@ from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import RetryableEngineError
 from agentrl.rollout.fleet import start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
+from tests.router_probes import engines_alive, sticky_engine
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 
@@ -122,17 +123,17 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     router = start_router([victim, engines[1]], cfg)
     sampling = SamplingConfig(max_tokens=5000, temperature=1.0, ignore_eos=True)
     # pin an episode to the victim: engine 0 is chosen first when both are idle
-    assert await router.sticky_engine.remote("doomed") is None
+    assert await sticky_engine(router, "doomed") is None
     pending = asyncio.ensure_future(router.generate.remote("doomed", PROMPT, sampling, "d0"))
     await until_streaming([victim])
-    assert await router.sticky_engine.remote("doomed") == 0
+    assert await sticky_engine(router, "doomed") == 0
     ray_session.kill(victim)
     with pytest.raises(RetryableEngineError):
         await asyncio.wait_for(pending, 20)
     quick = SamplingConfig(max_tokens=8, temperature=1.0)
     outs = await asyncio.gather(*(router.generate.remote(f"n{i}", PROMPT, quick, f"n{i}") for i in range(6)))
     assert {o.engine for o in outs} == {1}
-    assert await router.alive.remote() == [False, True]
+    assert await engines_alive(router) == [False, True]
     (replacement,) = start_engines(cfg, tiny_model_path, seed=8, count=1)
     await router.replace_engine.remote(0, replacement)
     assert await router.check_health.remote() == [True, True]

@@ -143,14 +143,15 @@ def _delta_receiver(port: int, rank: int, queue) -> None:
 
 
 def _step(state: dict[str, torch.Tensor], sync: int) -> None:
-    """What a training step does to the bf16 weights: a few elements move (all of a.weight at sync 2, none of
-    anything at sync 4)."""
+    """What a training step does to the bf16 weights: 3% of the elements move (15% at sync 3, all of a.weight and
+    a.bias at sync 2, none at sync 4)."""
     if sync == 4:
         return
     g = torch.Generator().manual_seed(sync)
     for name, t in state.items():
         if t.is_floating_point():
-            moved = torch.rand(t.shape, generator=g) < (1.0 if (name, sync) == ("a.weight", 2) else 0.03)
+            fraction = 1.0 if (name[0], sync) == ("a", 2) else 0.15 if sync == 3 else 0.03
+            moved = torch.rand(t.shape, generator=g) < fraction
             if name == "b.weight":
                 moved.view(-1)[5] = False
             t[moved] = t[moved] * 1.5 + 0.25
@@ -158,9 +159,9 @@ def _step(state: dict[str, torch.Tensor], sync: int) -> None:
 
 def test_delta_sync_delivers_what_a_full_sync_does_and_repairs_a_drifted_base() -> None:
     """Two receivers (engine workers) over gloo, bf16 weights: the first sync is full, later ones carry only the
-    changed elements (a whole bucket travels in full when that is smaller), every received weight equals the
-    sender's bit for bit; a receiver whose base drifted is caught by the checksum and the bucket is sent again
-    in full, to both receivers."""
+    changed elements, as positions or as a bitmask (or the whole bucket, whichever is smallest), every received
+    weight equals the sender's bit for bit; a receiver whose base drifted is caught by the checksum and the bucket
+    is sent again in full, to both receivers."""
     port = free_port_local()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -191,17 +192,21 @@ def test_delta_sync_delivers_what_a_full_sync_does_and_repairs_a_drifted_base() 
     buckets = plan_buckets(metas, 256)
     headers = 8 * 3 * len(buckets)
     assert sent[0] == full_bytes + headers  # no base yet: every bucket in full
+    forms_used = set()
     for sync in range(1, DELTA_SYNCS):  # per bucket: int32 index + value of each changed element, or all of it
         moved, sizes = [], []
         for b in buckets:
             k = sum(int((expected[sync][m.name] != expected[sync - 1][m.name]).sum()) for m in b)
-            e = expected[sync][b[0].name].element_size()
-            sizes.append(sum(m.numel for m in b) * e)
-            moved.append(min(k * (4 + e), sizes[-1]))
+            n, e = sum(m.numel for m in b), expected[sync][b[0].name].element_size()
+            sizes.append(n * e)
+            forms = {"whole": n * e, "positions": k * (4 + e), "bitmask": -(-n // 8) + k * e}
+            moved.append(min(forms.values()))
+            forms_used.add(min(forms, key=forms.__getitem__))
         repaired = sizes[1] if sync == DRIFT_AT else 0  # receiver 2's b.weight disagreed: sent again in full
         assert sent[sync] == headers + sum(moved) + repaired, sync
         if sync == 2:
-            assert moved[0] == sizes[0]  # a.weight moved whole: its bucket's changes cost more than it, sent full
+            assert moved[0] == sizes[0]  # a.* moved whole: their bucket's changes cost more than it, sent whole
+    assert forms_used == {"whole", "positions", "bitmask"}
     assert headers < sent[1] < full_bytes / 4  # ~3% of the elements moved
     assert sent[4] == headers  # nothing moved: headers only
 

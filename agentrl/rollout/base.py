@@ -61,17 +61,10 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     async def generate(self, token_ids: list[int], sampling: SamplingConfig, request_id: str) -> GenOutput:
         """Generate from token ids. An aborted request returns its partial tokens with finish_reason="abort";
-        `preempted=True` marks an abort caused by pause()/update_weights (the caller may resume it)."""
+        `preempted=True` marks an abort caused by a weight update's drain (the caller may resume it)."""
 
     @abc.abstractmethod
     async def abort(self, request_id: str) -> None: ...
-
-    @abc.abstractmethod
-    async def pause(self) -> None:
-        """Abort in-flight requests (they return as preempted) and hold new ones until resume()."""
-
-    @abc.abstractmethod
-    async def resume(self) -> None: ...
 
     @abc.abstractmethod
     async def update_weights(self, source: WeightSource, version: int, drain: DrainMode = "abort") -> float:
@@ -171,14 +164,6 @@ class GatedEngine(RolloutEngine):
             await self._abort_ids(ids)
         while self._in_flight:
             await asyncio.sleep(0.002)
-
-    async def pause(self) -> None:
-        await self.start()
-        self._gate.clear()
-        await self._drain("abort")
-
-    async def resume(self) -> None:
-        self._gate.set()
 
     async def hold(self, drain: DrainMode = "abort") -> None:
         """Close the gate and drain, for an update_weights to come: a collective sync drains every engine first,

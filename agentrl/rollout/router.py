@@ -237,29 +237,3 @@ class Router:
         if errors:
             raise errors[0]
         return time.perf_counter() - t0
-
-    async def pause(self) -> None:
-        await self._each_live("pause")
-
-    async def resume(self) -> None:
-        await self._each_live("resume")
-
-    async def stats(self) -> list[dict[str, Any]]:
-        out = []
-        for slot in self.health.slots:
-            entry: dict[str, Any] = {
-                "engine": slot.index,
-                "alive": slot.alive,
-                "router_in_flight": slot.in_flight,
-            }
-            if slot.alive:
-                with contextlib.suppress(Exception):
-                    entry.update(await asyncio.wait_for(slot.handle.stats.remote(), self.health.policy.timeout_s))
-            out.append(entry)
-        return out
-
-    async def alive(self) -> list[bool]:
-        return [s.alive for s in self.health.slots]
-
-    async def sticky_engine(self, episode_id: str) -> int | None:
-        return self._sticky.get(episode_id)

@@ -2,15 +2,17 @@
 travel over the weight-sync group, compared bit for bit in the engines' dtype.
 
 Both ends keep the last content of every bucket (the base, in host memory: one copy of the model in the engines'
-dtype per process). Per bucket the sender broadcasts a header [mode, k, checksum], then either the whole bucket
-(FULL: no base yet, or the changes would cost more than the bucket) or the k changed positions and their values
-(SPARSE). Each receiver applies them to its base and compares the checksum of the result with the sender's; one
-all-reduce of the mismatch flags follows every bucket, and a bucket any receiver got wrong is sent again in full
-at once. Bases live as long as their group: a new group (the first sync, an engine started or restarted, a failed
-sync) starts from full buckets on both ends, so a receiver never applies a delta to a base it does not have.
+dtype per process). Per bucket the sender broadcasts a header [mode, k, checksum], then the cheapest of: the whole
+bucket (FULL: no base yet, or the changes would cost more), the k changed positions and their values (INDICES), or
+a bitmask of the changed positions and their values (MASK). Each receiver applies them to its base and compares
+the checksum of the result with the sender's; one all-reduce of the mismatch flags follows every bucket, and a
+bucket any receiver got wrong is sent again whole at once. Bases live as long as their group: a new group (the
+first sync, an engine started or restarted, a failed sync) starts from whole buckets on both ends, so a receiver
+never applies a delta to a base it does not have.
 
-Only after a bf16 / fp16 cast does a training step leave most elements unchanged (1-5% change per step at
-full-fine-tuning learning rates); in float32 nearly every element moves, and the sender then sends full buckets.
+What changes depends on the learning rate against the bf16 spacing of the weights: one RL step of the default
+example (4 AdamW steps) moved 95% of the tiny model's bf16 elements at its lr 1e-4 and 10% at lr 1e-6
+(benchmarks/bench_weight_sync.py); in float32 nearly every element moves, and the buckets travel whole.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import torch
 
 from agentrl.weightsync.buckets import TensorMeta, wait
 
-FULL, SPARSE = 0, 1
+FULL, INDICES, MASK = 0, 1, 2  # how a bucket travels: whole; changed positions + values; a bitmask + values
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 24  # elements summed at once by the checksum (bounds its int64 temporary to 128 MiB)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -31,10 +32,14 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(flat: torch.Tensor) -> int:
-    """The sum of the elements' bit patterns, exact and the same on every device (integer sums do not depend on
-    the order), reduced to fit an int64 header."""
-    ints = bits(flat)
-    total = sum(int(chunk.to(torch.int64).sum()) for chunk in ints.split(_CHUNK))
+    """The sum of the bucket's bytes taken as 64-bit words (and of its last bytes, when its size is not a multiple
+    of 8), wrapping: integer sums do not depend on their order, so every device gets the same value, and one
+    changed element changes it. One pass at memory speed (~60 GB/s on one CPU thread)."""
+    raw = flat.reshape(-1).view(torch.uint8)
+    if raw.storage_offset() % 8:
+        raw = raw.clone()  # int64 words need an aligned start
+    whole = raw.numel() // 8 * 8
+    total = int(raw[:whole].view(torch.int64).sum()) + int(raw[whole:].sum(dtype=torch.int64))
     return total % (1 << 62)
 
 
@@ -49,22 +54,42 @@ def _host_copy(flat: torch.Tensor) -> torch.Tensor:
     return out.copy_(flat)
 
 
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A bool vector as bytes, 8 positions per byte (least significant bit first)."""
+    padded = torch.zeros(-(-mask.numel() // 8) * 8, dtype=torch.uint8, device=mask.device)
+    padded[: mask.numel()] = mask
+    return (padded.view(-1, 8) << _shifts(mask.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
+    return ((packed.unsqueeze(1) >> _shifts(packed.device)) & 1).view(-1)[:n].bool()
+
+
+def _shifts(device: torch.device) -> torch.Tensor:
+    return torch.arange(8, dtype=torch.uint8, device=device)
+
+
 def send_bucket(group, flat: torch.Tensor, i: int, bases: dict[int, torch.Tensor], timeout_s: float | None) -> int:
-    """Sender (rank 0 of `group`): bucket `i` as a delta against `bases[i]` when that is smaller, else in full;
-    again in full when a receiver's checksum disagrees. Updates `bases[i]`; returns the bytes broadcast."""
+    """Sender (rank 0 of `group`): bucket `i` in the cheapest of three forms: whole, the changed positions
+    (int32 / int64) and their values, or a bitmask of the changed positions and their values (below ~1/3 of the
+    elements changed in bf16, the bitmask below ~1/(8 x element size) the positions); again whole when a
+    receiver's checksum disagrees. Updates `bases[i]`; returns the bytes broadcast."""
     n, size = flat.numel(), flat.element_size()
     base = bases.get(i)
-    idx = vals = None
+    payload = [flat]
     if base is not None and base.shape == flat.shape and base.dtype == flat.dtype:
-        changed = torch.nonzero(bits(flat) != bits(base.to(flat.device, non_blocking=True))).flatten()
-        idx = changed.to(_index_dtype(n))
-        if idx.numel() * (idx.element_size() + size) < n * size:
-            vals = flat[changed]
-    mode = SPARSE if vals is not None else FULL
-    k = idx.numel() if vals is not None else n
+        changed = bits(flat) != bits(base.to(flat.device, non_blocking=True))
+        k = int(torch.count_nonzero(changed))
+        costs = {FULL: n * size, INDICES: k * (_index_dtype(n).itemsize + size), MASK: -(-n // 8) + k * size}
+        mode = min(costs, key=costs.__getitem__)  # a tie keeps the whole bucket
+        if mode != FULL:
+            positions = torch.nonzero(changed).flatten()
+            where = positions.to(_index_dtype(n)) if mode == INDICES else _pack_bits(changed)
+            payload = [where, flat.index_select(0, positions)]
+    else:
+        mode, k = FULL, n
     header = torch.tensor([mode, k, checksum(flat)], dtype=torch.int64, device=flat.device)
     wait(group.broadcast(header, 0), timeout_s)
-    payload = [idx, vals] if vals is not None else [flat]
     for part in payload:
         if part.numel():
             wait(group.broadcast(part, 0), timeout_s)
@@ -81,26 +106,28 @@ def receive_bucket(
     timeout_s: float | None,
 ) -> torch.Tensor:  # fmt: skip
     """Receiver: bucket `i` as the sender has it now, on `device` (a fresh tensor: what the caller loads from may
-    be kept), from a full bucket or a delta applied to `bases[i]`; `bases[i]` is updated."""
+    be kept), received whole or as changes applied to `bases[i]`; `bases[i]` is updated."""
     n, dtype = sum(m.numel for m in bucket), bucket[0].torch_dtype
     header = torch.empty(3, dtype=torch.int64, device=device)
     wait(group.broadcast(header, 0), timeout_s)
     mode, k, expected = (int(x) for x in header.tolist())
     base = bases.pop(i, None)  # a failure below leaves no half-applied base behind
-    fresh = None  # the bucket as received in full, when it was
+    fresh = None  # the bucket as received whole, when it was
     if mode == FULL:
         fresh = torch.empty(n, dtype=dtype, device=device)
         wait(group.broadcast(fresh, 0), timeout_s)
         base = _host_copy(fresh)
     else:
-        idx = torch.empty(k, dtype=_index_dtype(n), device=device)
+        where = torch.empty(k if mode == INDICES else -(-n // 8), dtype=_index_dtype(n) if mode == INDICES
+                            else torch.uint8, device=device)  # fmt: skip
         vals = torch.empty(k, dtype=dtype, device=device)
-        for part in (idx, vals):
-            if k:
+        for part in (where, vals):
+            if part.numel():
                 wait(group.broadcast(part, 0), timeout_s)
         if base is None or base.numel() != n or base.dtype != dtype:
             base = torch.zeros(n, dtype=dtype)  # cannot happen while bases live with their group; repaired below
-        base[idx.long().cpu()] = vals.cpu()
+        positions = where.long() if mode == INDICES else torch.nonzero(_unpack_bits(where, n)).flatten()
+        base.index_copy_(0, positions.cpu(), vals.cpu())
     drift = checksum(base) != expected
     if _any_drift(group, drift, device, timeout_s):
         fresh = torch.empty(n, dtype=dtype, device=device)
