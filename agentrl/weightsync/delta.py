@@ -55,7 +55,7 @@ def _host_copy(flat: torch.Tensor) -> torch.Tensor:
 
 
 def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    """A bool vector as bytes, 8 positions per byte (least significant bit first)."""
+    """A bool vector as bytes, 8 positions per byte (position 8i + j in bit j of byte i)."""
     padded = torch.zeros(-(-mask.numel() // 8) * 8, dtype=torch.uint8, device=mask.device)
     padded[: mask.numel()] = mask
     return (padded.view(-1, 8) << _shifts(mask.device)).sum(dim=1, dtype=torch.uint8)
@@ -97,7 +97,10 @@ def send_bucket(group, flat: torch.Tensor, i: int, bases: dict[int, torch.Tensor
     if _any_drift(group, False, flat.device, timeout_s):
         wait(group.broadcast(flat, 0), timeout_s)
         sent += n * size
-    bases[i] = _host_copy(flat)
+    if mode == FULL:
+        bases[i] = _host_copy(flat)
+    else:  # the base takes the changes it sent (cheaper than a copy of the bucket while few elements change)
+        base.index_copy_(0, positions.to(base.device), payload[1].to(base.device))
     return sent
 
 
