@@ -509,7 +509,7 @@ async def test_an_ok_health_reply_sent_before_a_death_does_not_revive_the_engine
     handle.reply.set()  # the stale OK arrives
     await check
     await router.check_health()
-    assert await router.alive() == [False]
+    assert [slot.alive for slot in router.health.slots] == [False]
     assert (await router.fleet_status())["deaths"] == 1
     for task in [router.health._health_task, *router.health._tasks]:
         if task is not None:
