@@ -10,12 +10,13 @@ hook, every agentrl dependency that the node lacks (`scripts/gpu_node/packages.t
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.megatron_shim import megatron_cpu_env
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = ROOT / "tests" / "gpu_node"
@@ -23,11 +24,8 @@ PHASES = ["trainer_memory", "logprob_accuracy", "checkpoint_resume", "weight_syn
 
 
 def _node_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    path = [str(ROOT / "tests" / "megatron_cpu"), str(HOOK), env.get("PYTHONPATH", "")]
-    env.update(PYTHONPATH=os.pathsep.join(p for p in path if p), AGENTRL_MEGATRON_CPU_SHIM="1",
-               AGENTRL_NODE_IMPORTS=str(tmp_path / "node_imports.txt"))  # fmt: skip
-    return env
+    imports = str(tmp_path / "node_imports.txt")
+    return megatron_cpu_env(HOOK, AGENTRL_MEGATRON_CPU_SHIM="1", AGENTRL_NODE_IMPORTS=imports)
 
 
 @pytest.mark.parametrize("module", ["ray", "vllm", "fastapi", "gymnasium", "uvicorn", "wandb"])

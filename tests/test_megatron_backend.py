@@ -16,8 +16,9 @@ import sys
 
 import pytest
 
+from tests.megatron_shim import SHIM_DIR, megatron_cpu_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SHIM_DIR = os.path.join(ROOT, "tests", "megatron_cpu")
 LAUNCHES = {  # name: (processes, tensor parallel, extra flags); TP1 and TP2 cover both optimizers
     "tp1_dp2": (2, 1, ["--recompute"]),  # two data-parallel replicas, distributed optimizer, recomputation
     "tp2": (2, 2, ["--no-distributed-optimizer"]),
@@ -28,10 +29,7 @@ TOL = 1e-5
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([SHIM_DIR, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env.update(AGENTRL_PLATFORM="cpu", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    return env
+    return megatron_cpu_env(ROOT, AGENTRL_PLATFORM="cpu", OMP_NUM_THREADS="1")
 
 
 @pytest.fixture(scope="module")

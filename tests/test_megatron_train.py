@@ -10,7 +10,6 @@ CPU run is refused before Ray starts, which the last test checks.
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from agentrl.observe.metrics import read_jsonl
 from tests.cli_run import ROOT, agentrl, assert_one_line_error
+from tests.megatron_shim import megatron_cpu_env
 
 EXAMPLE = ROOT / "examples" / "sokoban_megatron.yaml"
 TINY = ["envs.train.sokoban.group_size=4", "envs.train.sokoban.groups_per_batch=2", "envs.train.sokoban.max_turns=4",
@@ -34,17 +34,13 @@ TINY = ["envs.train.sokoban.group_size=4", "envs.train.sokoban.groups_per_batch=
         "async.max_staleness=0", "async.partial_rollout=false"]  # fmt: skip
 
 
-def _env() -> dict[str, str]:
-    shim = str(ROOT / "tests" / "megatron_cpu")
-    path = os.pathsep.join([shim, str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return {**env, "PYTHONPATH": path, "AGENTRL_MEGATRON_CPU_SHIM": "1", "TOKENIZERS_PARALLELISM": "false"}
+ENV = megatron_cpu_env(ROOT, AGENTRL_MEGATRON_CPU_SHIM="1")
 
 
 def _train(run_dir: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [sys.executable, "-m", "agentrl", "train", str(EXAMPLE), *TINY, f"trainer.total_steps={steps}",
             f"logging.run_dir={run_dir}", *extra]  # fmt: skip
-    return subprocess.run(args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.slow

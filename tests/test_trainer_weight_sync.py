@@ -199,9 +199,11 @@ def test_delta_sync_delivers_what_a_full_sync_does_and_repairs_a_drifted_base() 
             k = sum(int((expected[sync][m.name] != expected[sync - 1][m.name]).sum()) for m in b)
             n, e = sum(m.numel for m in b), expected[sync][b[0].name].element_size()
             sizes.append(n * e)
-            forms = {"whole": n * e, "positions": k * (4 + e), "bitmask": -(-n // 8) + k * e}
-            moved.append(min(forms.values()))
-            forms_used.add(min(forms, key=forms.__getitem__))
+            forms = {"positions": k * (4 + e), "bitmask": -(-n // 8) + k * e}
+            form = min(forms, key=forms.__getitem__)
+            form = form if forms[form] <= n * e // 2 else "whole"  # a delta only when it halves the bucket
+            moved.append(n * e if form == "whole" else forms[form])
+            forms_used.add(form)
         repaired = sizes[1] if sync == DRIFT_AT else 0  # receiver 2's b.weight disagreed: sent again in full
         assert sent[sync] == headers + sum(moved) + repaired, sync
         if sync == 2:

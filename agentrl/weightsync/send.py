@@ -25,7 +25,7 @@ from agentrl.weightsync.buckets import (
     plan_buckets,
     wait,
 )
-from agentrl.weightsync.delta import send_bucket
+from agentrl.weightsync.delta import send_bucket, send_repairs
 
 
 def weight_metas(metas: Iterable[tuple[str, Sequence[int], torch.dtype]], dtype: torch.dtype) -> list[TensorMeta]:
@@ -90,9 +90,11 @@ def broadcast_weights(
     def sending() -> bool:
         return group is not None and not failures
 
+    device = None
     for i, flat in enumerate(stream_weights(full, metas, bucket_bytes, buffer, sending)):
         if flat is None:
             continue
+        device = flat.device
         try:
             if bases is None:
                 wait(group.broadcast(flat, 0), timeout_s)
@@ -101,6 +103,11 @@ def broadcast_weights(
                 sent += send_bucket(group, flat, i, bases, timeout_s)
         except Exception as err:  # the group's error (a peer's reset, a timeout): this sync fails, not the trainer
             failures.append(f"bucket {i + 1} of {buckets} after {time.monotonic() - started:.1f} s: {_first_line(err)}")
+    if bases is not None and device is not None and not failures:
+        try:  # the buckets a receiver got wrong, whole again
+            sent += send_repairs(group, bases, buckets, device, timeout_s)
+        except Exception as err:
+            failures.append(f"the repair round after {time.monotonic() - started:.1f} s: {_first_line(err)}")
     if failures:
         raise SyncError(f"weight broadcast to the engines failed at {failures[0]}")
     return sent
