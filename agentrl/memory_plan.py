@@ -21,7 +21,8 @@ Assumptions (rough by design; tests/test_memory_plan.py holds it within 0.5x-2x 
   `LOGIT_CHUNK_ELEMS` logits at a time (agentrl.trainer.losses).
 - A reference model (compute dtype, sharded, no gradients) when `algorithm.kl_coef > 0`; a critic (backbone + value
   head, with its own gradients and AdamW) when `algorithm.advantage == "gae"`.
-- Engines: weights in the engine dtype (bf16 on accelerators, fp32 on CPU) and the KV cache: vLLM claims
+- Engines: weights in the engine dtype (bf16 on accelerators, fp32 on CPU), with rollout.weight_sync_delta a copy of
+  them in host memory (counted on CPU, where host memory is the device), and the KV cache: vLLM claims
   `rollout.gpu_memory_utilization` of the device (weights included) on accelerators, `rollout.kv_cache_gib`
   on CPU. Each trainer rank and engine has a device of its own on accelerators; on CPU they all share host RAM.
 - A fixed allowance per process for the runtime (CUDA context / allocator slack, or Python + torch on CPU).
@@ -437,7 +438,10 @@ def engine_plan(cfg: Config, d: ModelDims, accelerator: bool, device_bytes: int)
         )
     else:
         kv = Component("KV cache", ro.kv_cache_gib * GiB, f"rollout.kv_cache_gib={ro.kv_cache_gib}")
-    return ActorPlan("rollout engine", ro.num_engines, [weights, kv, runtime])
+    components = [weights, kv, runtime]
+    if ro.weight_sync_delta and not accelerator:  # on accelerators it is host memory, not the device's
+        components.append(Component("delta-sync copy", weight_bytes, "the weights last synced (host memory)"))
+    return ActorPlan("rollout engine", ro.num_engines, components)
 
 
 def make_plan(

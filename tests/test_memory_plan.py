@@ -124,6 +124,12 @@ def test_components_follow_the_settings() -> None:
     offload = cfg.model_copy(deep=True)
     offload.trainer.cpu_offload = True
     assert total("weights", offload) == 0 < total("weights", cfg)
+    delta = cfg.model_copy(deep=True)
+    delta.rollout.weight_sync_delta = True
+    for accelerator, copies in ((False, 1), (True, 0)):  # on a device the copy is in host memory: not planned
+        engine = mp.engine_plan(delta, dims, accelerator, 80 * GiB)
+        weights = sum(x.bytes for x in engine.components if x.name == "weights")
+        assert sum(x.bytes for x in engine.components if x.name == "delta-sync copy") == copies * weights
 
 
 def _cpu_run_configs() -> list[Path]:
