@@ -14,7 +14,7 @@ folder of their own). Phases, each printing one JSON line as it ends, so a faili
    second step (fused AdamW on CUDA): losses and parameters compared.
 4. weight_sync: the NCCL weight-sync group built at world size 1 (one broadcast through it), then the bucketed
    broadcast of the trainer's CUDA tensors to a second process over gloo, checked bit for bit against the bf16
-   disk export.
+   disk export: plain buckets, then delta buckets (rollout.weight_sync_delta) before and after a few rows move.
 5. megatron: Megatron-Core at TP 1 (its local layers unless Transformer Engine is installed) against FSDP2's
    log-probs on the same weights and batch, and 2 steps.
 
@@ -310,7 +310,7 @@ def weight_sync(smoke: Smoke) -> list[dict]:
     import torch
     from safetensors.torch import load_file
 
-    from agentrl.weightsync.buckets import free_port, new_group
+    from agentrl.weightsync.buckets import TensorMeta, free_port, new_group, plan_buckets
 
     lines = []
     if not smoke.cpu:  # the NCCL group the collective sync builds, at world size 1 (NCCL refuses 2 ranks on 1 GPU)
@@ -324,41 +324,64 @@ def weight_sync(smoke: Smoke) -> list[dict]:
         lines.append({"case": "nccl_world_size_1", "broadcast_ok": ok, "s": round(time.perf_counter() - t0, 2)})
     path = smoke.model("mid")
     bucket_bytes = 1 << 20 if smoke.small else 16 << 20
-    received = smoke.workdir / "received.safetensors"
-    exported = smoke.workdir / "exported"
+    # one receiver process, three syncs: plain buckets; delta buckets after a few rows moved (the group's first delta
+    # sync sends whole buckets, so a delta sync runs first to give both ends their copies); delta with nothing moved
+    syncs = [("full", False, False), ("delta_first", True, False), ("delta_rows_moved", True, True)]
+    where = {"addr": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "timeout_s": 120.0}
     with rank_of(trainer_config(smoke), path) as rank:
-        rank.export_weights(str(exported), dtype="bfloat16")
         metas = rank.weight_metas("bfloat16")
-        where = {"addr": "127.0.0.1", "port": free_port(), "world_size": 2, "backend": "gloo", "timeout_s": 120.0}
-        spec = json.dumps({"where": where, "metas": metas, "bucket_bytes": bucket_bytes, "out": str(received)})
+        out = [str(smoke.workdir / f"received-{name}.safetensors") for name, _, _ in syncs]
+        spec = json.dumps({"where": where, "metas": metas, "bucket_bytes": bucket_bytes, "out": out,
+                           "delta": [delta for _, delta, _ in syncs]})  # fmt: skip
         receiver = subprocess.Popen([sys.executable, __file__, "--receive", spec])
-        t0 = time.perf_counter()
-        sent = rank.broadcast_weights(where, "bfloat16", bucket_bytes)
-        broadcast_s = time.perf_counter() - t0
+        results = []
+        for (name, delta, move), received in zip(syncs, out, strict=True):
+            moved = _move_rows(rank) if move else 0
+            exported = smoke.workdir / f"exported-{name}"
+            rank.export_weights(str(exported), dtype="bfloat16")
+            t0 = time.perf_counter()
+            sent = rank.broadcast_weights(where, "bfloat16", bucket_bytes, delta)
+            results.append((name, received, exported, int(sent or 0), time.perf_counter() - t0, moved))
         if receiver.wait(timeout=300) != 0:
             raise RuntimeError(f"the receiving process exited with {receiver.returncode}")
         device = str(next(rank.model.parameters()).device)
-    got = load_file(str(received))
-    want = {}
-    for f in sorted(exported.glob("*.safetensors")):
-        want.update(load_file(str(f)))
-    mismatched = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
-    lines.append({
-        "case": "bucketed_broadcast_over_gloo",
-        "trainer_device": device,
-        "tensors": len(metas),
-        "buckets_bytes": bucket_bytes,
-        "bytes_sent": int(sent or 0),
-        "broadcast_s": round(broadcast_s, 3),
-        "bitwise_equal_to_bf16_export": not mismatched and set(got) == set(want),
-        "mismatched": mismatched[:5],
-    })  # fmt: skip
+    for name, received, exported, sent, seconds, moved in results:
+        got = load_file(received)
+        want = {}
+        for f in sorted(exported.glob("*.safetensors")):
+            want.update(load_file(str(f)))
+        mismatched = sorted(k for k in want if k not in got or not torch.equal(got[k], want[k]))
+        lines.append({
+            "case": f"bucketed_broadcast_over_gloo_{name}",
+            "trainer_device": device,
+            "tensors": len(metas),
+            "buckets_bytes": bucket_bytes,
+            "buckets": len(plan_buckets([TensorMeta(n, tuple(shape), dt) for n, shape, dt in metas], bucket_bytes)),
+            "elements_moved": moved,
+            "bytes_sent": sent,
+            "broadcast_s": round(seconds, 3),
+            "bitwise_equal_to_bf16_export": not mismatched and set(got) == set(want),
+            "mismatched": mismatched[:5],
+        })  # fmt: skip
     return lines
 
 
+def _move_rows(rank) -> int:
+    """A few rows of the embedding moved, as a step at a small learning rate moves a few percent of the bf16
+    elements; returns the elements moved."""
+    import torch
+
+    emb = dict(rank.model.named_parameters())["model.embed_tokens.weight"]
+    local = emb.to_local() if hasattr(emb, "to_local") else emb  # FSDP2 at world size 1: the whole tensor
+    with torch.no_grad():
+        local[:8] += 0.5
+    return 8 * local.shape[1]
+
+
 def receive(spec: str) -> int:
-    """The second process of the weight_sync phase: joins the gloo group as rank 1, receives every bucket as an
-    engine worker does (`agentrl.weightsync.receive.receive_state_dict`) and saves what arrived."""
+    """The second process of the weight_sync phase: joins the gloo group as rank 1, receives every sync as an
+    engine worker does (`agentrl.weightsync.receive.receive_state_dict`, with its copies for delta syncs) and saves
+    what each one delivered."""
     import torch
     from safetensors.torch import save_file
 
@@ -369,8 +392,11 @@ def receive(spec: str) -> int:
     where = SyncGroup(**args["where"])
     group = new_group(where.backend, where.addr, where.port, 1, where.world_size, where.timeout_s)
     metas = [TensorMeta(n, tuple(shape), dtype) for n, shape, dtype in args["metas"]]
-    tensors = {n: t.clone() for n, t in receive_state_dict(group, metas, torch.device("cpu"), args["bucket_bytes"])}
-    save_file(tensors, args["out"])
+    bases: dict = {}
+    for out, delta in zip(args["out"], args["delta"], strict=True):
+        received = receive_state_dict(group, metas, torch.device("cpu"), args["bucket_bytes"], where.timeout_s,
+                                      bases if delta else None)  # fmt: skip
+        save_file({n: t.clone() for n, t in received}, out)
     return 0
 
 
