@@ -173,7 +173,7 @@ def test_aggregations() -> None:
     assert float(L.aggregate(v, L.token_weights(mask, seq, "token_mean"), 4)) == pytest.approx(16 / 4)
     assert float(L.aggregate(v, L.token_weights(mask, seq, "seq_mean_token_sum"), 2)) == pytest.approx(8.0)
     assert float(L.aggregate(v, L.token_weights(mask, seq, "seq_mean_token_mean"), 2)) == pytest.approx(6.0)
-    ent = L.entropy_from_logits(torch.zeros(1, 4))
+    ent = L.token_logprobs(torch.zeros(1, 4), None, with_entropy=True)[1]
     assert float(ent) == pytest.approx(math.log(4))
 
 

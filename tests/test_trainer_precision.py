@@ -178,7 +178,8 @@ def test_chunked_logprobs_and_entropy_equal_the_whole_softmax(temperature) -> No
         lp, ent = L.token_logprobs(logits, targets, temperature, True, chunk_elems=2 * 97)
     assert torch.allclose(lp, lp0, atol=1e-6) and torch.allclose(ent, ent0, atol=1e-5)
     p = torch.softmax(logits.detach(), -1)
-    assert torch.allclose(L.entropy_from_logits(logits.detach()), -(p * p.log()).sum(-1), atol=1e-5)
+    _, entropy = L.token_logprobs(logits.detach(), None, with_entropy=True)
+    assert torch.allclose(entropy, -(p * p.log()).sum(-1), atol=1e-5)
 
 
 def test_forward_logprobs_in_chunks_equals_one_chunk(tiny_model_path, monkeypatch) -> None:

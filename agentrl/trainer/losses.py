@@ -200,11 +200,6 @@ def token_logprobs(
     return (logp.view(shape) if tgt is not None else None), (ent.view(shape) if with_entropy else None)
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax distribution along the last dim (chunked: see `token_logprobs`)."""
-    return token_logprobs(logits, None, with_entropy=True)[1]
-
-
 def is_weights(
     prox_logp: torch.Tensor,
     behav_logp: torch.Tensor,
