@@ -80,6 +80,13 @@ class ModelDims:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """LoRA adapters of `rank` on the decoder layers' `targets` (A: rank x in, B: out x rank per linear)."""
+        q, kv, h, i = self.heads * self.head_dim, self.kv_heads * self.head_dim, self.hidden, self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h), "gate_proj": (h, i),
+                  "up_proj": (h, i), "down_proj": (i, h)}  # fmt: skip
+        return self.layers * sum(rank * (a + b) for name, (a, b) in shapes.items() if name in targets)
+
 
 def dims_from_config(cfg: dict, name: str, source: str = "config.json") -> ModelDims:
     """ModelDims from a Hugging Face config.json dict (Llama/Qwen-style decoder)."""
@@ -370,14 +377,19 @@ def _fsdp2_states(cfg: Config, d: ModelDims, a: int, precision: str, accelerator
     offload = tc.cpu_offload and accelerator
     where = " (in host memory: cpu_offload)" if offload else ""
     states = 0.0 if offload else 1.0
+    # with LoRA only the adapters (L params) have gradients and optimizer state; the base is frozen
+    L = d.lora_params(tc.lora.rank, tc.lora.target_modules) if tc.lora else 0
+    trained, total = (L, P + L) if tc.lora else (P, P)
+    of = f", the {count(L)} LoRA adapter params" if tc.lora else ""
+    grads = "" if tc.lora else " + their fp32 grads before reduce-scatter"
     comps = [
-        Component("weights", states * 4 * P / ranks, f"fp32 master, {count(P)} params / {ranks} ranks{where}"),
-        Component("gradients", states * 4 * P / ranks, f"fp32, sharded{where}"),
-        Component("optimizer", states * 8 * P / ranks, f"AdamW m + v fp32, sharded{where}"),
+        Component("weights", states * 4 * total / ranks, f"fp32 master, {count(total)} params / {ranks} ranks{where}"),
+        Component("gradients", states * 4 * trained / ranks, f"fp32, sharded{where}{of}"),
+        Component("optimizer", states * 8 * trained / ranks, f"AdamW m + v fp32, sharded{where}{of}"),
         Component(
             "gathered params",
-            (d.root_params + 2 * d.layer_params) * (a + 4),
-            f"root + 2 layers unsharded ({precision}) + their fp32 grads before reduce-scatter",
+            (d.root_params + 2 * d.layer_params) * (a + (0 if tc.lora else 4)),
+            f"root + 2 layers unsharded ({precision}){grads}",
         ),
     ]
     if alg.kl_coef > 0:

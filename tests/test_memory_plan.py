@@ -15,6 +15,7 @@ import pytest
 from agentrl import memory_plan as mp
 from agentrl.cli import main
 from agentrl.config import Config, ConfigError, load_config
+from agentrl.config.schema import LoraConfig
 
 ROOT = Path(__file__).parents[1]
 CLUSTER = ROOT / "examples" / "sokoban_cluster.yaml"
@@ -124,6 +125,11 @@ def test_components_follow_the_settings() -> None:
     offload = cfg.model_copy(deep=True)
     offload.trainer.cpu_offload = True
     assert total("weights", offload) == 0 < total("weights", cfg)
+    adapters = cfg.model_copy(deep=True)
+    adapters.trainer.lora = LoraConfig(rank=16)  # Qwen2.5-0.5B: 24 layers x 16 x (in + out) of 7 linears = 8.8M
+    assert dims.lora_params(16, adapters.trainer.lora.target_modules) == 8_798_208
+    assert total("optimizer", adapters) == pytest.approx(total("optimizer", cfg) * 8_798_208 / dims.params)
+    assert total("gradients", adapters) < total("gradients", cfg) / 50
     delta = cfg.model_copy(deep=True)
     delta.rollout.weight_sync_delta = True
     for accelerator, copies in ((False, 1), (True, 0)):  # on a device the copy is in host memory: not planned

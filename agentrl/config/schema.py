@@ -397,6 +397,18 @@ class SFTConfig(Section):
     )
 
 
+class LoraConfig(Section):
+    """Low-rank adapters (peft's LoRA) on a frozen base: only they train and hold optimizer state."""
+
+    rank: PositiveInt = Field(16, description="r: the adapters' rank")
+    alpha: PositiveFloat = Field(32.0, description="lora_alpha: the adapters' output is scaled by alpha / rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input while training")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="the linear layers that get adapters (their names' last part)",
+    )
+
+
 class MegatronConfig(Section):
     """Model-parallel sizes for `trainer.backend: megatron`; the data-parallel size is what remains of num_ranks."""
 
@@ -432,6 +444,11 @@ class TrainerConfig(Section):
         None, description="recompute each decoder layer in backward; None = on for GPU/NPU, off on CPU"
     )
     cpu_offload: bool = Field(False, description="keep parameters, gradients and optimizer state in host memory")
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters on a frozen base (fsdp2; the engines get the merged weights); "
+        "None: full fine-tuning",
+    )
     ray_resources: dict[str, float] = Field(
         default_factory=dict, description="extra Ray resources each trainer rank asks for, e.g. to pin it to a node"
     )
@@ -447,6 +464,8 @@ class TrainerConfig(Section):
         m = self.megatron
         if self.backend != "megatron":
             return self
+        if self.lora is not None:
+            raise ValueError("trainer.lora needs trainer.backend: fsdp2 (the Megatron backend trains every weight)")
         if self.num_ranks % m.model_parallel:
             raise ValueError(
                 f"trainer.num_ranks={self.num_ranks} is not a multiple of tensor_parallel x pipeline_parallel x "

@@ -77,27 +77,38 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
     hf = ckpt / "hf"
     if not (ckpt / "meta.json").exists() or not (hf / "config.json").exists():
         raise FileNotFoundError(f"{ckpt} is not an agentrl checkpoint (needs meta.json and hf/config.json)")
-    if json.loads((ckpt / "meta.json").read_text()).get("backend", "fsdp2") == "megatron":
+    meta = json.loads((ckpt / "meta.json").read_text())
+    if meta.get("backend", "fsdp2") == "megatron":
         from agentrl.trainer.backends.megatron_bridge import export_hf as export_megatron
 
         export_megatron(str(ckpt), str(out_dir), hf_path=str(hf))
         return str(out_dir)
-    return _export_dcp(ckpt, out_dir)
+    return _export_dcp(ckpt, out_dir, meta.get("lora"))
 
 
-def _export_dcp(ckpt: Path, out_dir: str | Path) -> str:
-    """The FSDP2 backend's checkpoint (DCP shards, the policy under 'model') as an HF model dir."""
+def _export_dcp(ckpt: Path, out_dir: str | Path, adapters: dict | None = None) -> str:
+    """The FSDP2 backend's checkpoint (DCP shards, the policy under 'model') as an HF model dir; a LoRA run's
+    (`adapters`: its trainer.lora) with the adapters merged into the weights."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    from agentrl.config.schema import LoraConfig
+    from agentrl.trainer import lora
 
     hf = ckpt / "hf"
     config = AutoConfig.from_pretrained(hf)
     # Built on CPU, not on the meta device: rotary inv_freq buffers are not in the state dict.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {"model": model.state_dict()}
+    saved = model
+    if adapters is not None:  # the checkpoint's names are those of the model with adapters
+        saved = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lora.add_adapters(saved, LoraConfig(**adapters))
+    state = {"model": saved.state_dict()}
     if config.tie_word_embeddings:
         state["model"].pop("lm_head.weight", None)
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    if adapters is not None:
+        state["model"] = dict(lora.merged(state["model"].items(), lora.scaling(LoraConfig(**adapters))))
     model.load_state_dict(state["model"], strict=False)
     model.tie_weights()
     model.save_pretrained(out_dir, safe_serialization=True)

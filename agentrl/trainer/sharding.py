@@ -18,6 +18,7 @@ from torch import nn
 
 from agentrl.config.schema import TrainerConfig
 from agentrl.platform import Platform
+from agentrl.trainer import lora
 from agentrl.trainer.model import ValueModel, decoder_layers
 
 Role = Literal["policy", "reference", "critic"]
@@ -169,6 +170,9 @@ def build_sharded(path: str, device: torch.device, tc: TrainerConfig, platform: 
     compute = resolve_dtype(tc, platform)
     train = role != "reference"
     model = skeleton(path, role, torch.float32 if train else compute, attn_implementation(platform, compute))
+    adapters = role == "policy" and tc.lora is not None
+    if adapters:  # before the FSDP2 units are cut: each layer's adapters shard with it
+        lora.add_adapters(model, tc.lora)
     if train and resolve_checkpointing(tc, platform):
         checkpoint_layers(model)
     shard(model, compute if train and compute != torch.float32 else None, tc.cpu_offload, platform.is_accelerator)
@@ -177,8 +181,13 @@ def build_sharded(path: str, device: torch.device, tc: TrainerConfig, platform: 
         init_buffers(model)
     # A tied LM head is the embedding's Parameter from construction on; FSDP2 shards it once, to_empty keeps it.
     tied = bool(getattr(_hf_of(model).config, "tie_word_embeddings", False))
-    keys = list(model.state_dict().keys())
-    sd = read_checkpoint(path, keys, tied) if dist.get_rank() == 0 else {}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    sd = {}
+    if dist.get_rank() == 0 and adapters:
+        base = read_checkpoint(path, sorted({lora.hf_name(k) for k in shapes if not lora.is_adapter(k)}), tied)
+        sd = lora.initial_state(shapes, base)
+    elif dist.get_rank() == 0:
+        sd = read_checkpoint(path, list(shapes), tied)
     set_model_state_dict(model, sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     if not train:
         model.eval().requires_grad_(False)

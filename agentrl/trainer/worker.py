@@ -390,7 +390,8 @@ class TrainerRank(WeightPublisher):
         if self.rank == 0:
             copy_hf_side_files(self.model_path, os.path.join(ckpt_dir, "hf"))
             meta = {"version": self.version, "optimizer_steps": self.optimizer_steps, "world_size": self.world,
-                    "backend": self.tc.backend, "optimizers": sorted(self._optimizers())}  # fmt: skip
+                    "backend": self.tc.backend, "optimizers": sorted(self._optimizers()),
+                    "lora": self.tc.lora.model_dump() if self.tc.lora else None}  # fmt: skip
             with open(os.path.join(ckpt_dir, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
         dist.barrier()

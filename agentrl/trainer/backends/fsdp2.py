@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentrl.config.schema import OptimConfig
+from agentrl.trainer import lora
 from agentrl.trainer.backends import ModelBackend, Role, TrainOptimizer
 from agentrl.trainer.losses import MODEL_DIST
 from agentrl.trainer.model import ValueModel, forward_logprobs, forward_values, shares_prompts, sharing_plan
@@ -125,11 +126,16 @@ class FSDP2Backend(ModelBackend):
         return plan if int(both[0]) == -int(both[1]) else None
 
     def weight_metas(self, model, tied):
-        return [(k, tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)]
+        metas = [(k, tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)]
+        return lora.hf_metas(metas) if self._adapters(model) else metas
 
     def full_weights(self, model, tied) -> Iterator[tuple[str, torch.Tensor]]:
-        for k, v in sharded_named_params(model, tied):
-            yield k, full_tensor(v)
+        """The whole weights in `weight_metas` order; with LoRA, merged (what the engines and exports get)."""
+        full = ((k, full_tensor(v)) for k, v in sharded_named_params(model, tied))
+        return lora.merged(full, lora.scaling(self.tc.lora)) if self._adapters(model) else full
+
+    def _adapters(self, model: nn.Module) -> bool:
+        return self.tc.lora is not None and any(lora.is_adapter(k) for k, _ in model.named_parameters())
 
     def save_checkpoint(self, ckpt_dir, models, optimizers, extra) -> None:
         """DCP shards of every model and optimizer; schedules and `extra` in `extra_rank{R}.pt`."""
