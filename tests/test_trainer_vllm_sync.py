@@ -113,3 +113,27 @@ async def test_delta_sync_moves_only_the_changed_elements_and_loads_what_a_full_
     finally:
         sync.close()
         trainer.shutdown()
+
+
+async def test_a_lora_policy_reaches_the_engines_merged(vllm_fleet, tiny_model_path):
+    """trainer.lora: the engines serve the base model with the trained adapters merged in (collective sync, under
+    the HF names), and their log-probs then match the trainer's."""
+    _, engines, router = vllm_fleet
+    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "rollout.num_engines=2",
+                             "rollout.weight_sync=collective", "trainer.lora.rank=8", "name=sync-lora"])  # fmt: skip
+    trainer = TrainerGroup(cfg, tiny_model_path)
+    sync = WeightSync(cfg, trainer, router, CPU)
+    try:
+        outs = [await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=1.0, seed=seed),
+                                                 f"l-{seed}") for seed in (1, 2)]  # fmt: skip
+        good, bad = (_batch(PROMPT + o.token_ids, o.logprobs) for o in outs)
+        for version in (300, 301):
+            trainer.train_step([good[0], bad[1]])
+            await sync.sync(version)
+            for i, engine in enumerate(engines):
+                await _check_engine_matches_trainer(engine, trainer, version, f"lora-{version}-{i}")
+        (moved,) = trainer.compute_logprobs([good[0]])
+        assert max(abs(a - b) for a, b in zip(outs[0].logprobs, moved[len(PROMPT) :], strict=True)) > 1e-3
+    finally:
+        sync.close()
+        trainer.shutdown()
