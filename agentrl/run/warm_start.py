@@ -192,7 +192,8 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "prompts": [cfg.envs.sample_mode, cfg.envs.turn_history_window, DEMO_FORMAT],
         "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
         "agents": _agent_sources(cfg),  # an agent program plays its own demos: its code shapes them
-        "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),
+        # with trainer.lora the warm start trains adapters only: another warm start than full fine-tuning's
+        "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens", "lora"}),
         # The warm start runs at trainer.sft.lr, constant: the RL lr and schedule do not change it.
         "optim": cfg.trainer.optim.model_dump(exclude={"lr", "schedule", "warmup_steps"}),
     }
