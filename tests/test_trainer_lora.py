@@ -83,7 +83,18 @@ def test_lora_trains_the_adapters_only_and_hands_out_the_merged_model(one_rank_g
     for f in sorted((tmp_path / "hf").glob("*.safetensors")):
         exported.update(load_file(str(f)))
     assert all(torch.equal(exported[k], moved[k]) for k in moved)  # the export is the merged model
+    version = rank.version
     _close(rank)
+
+    resumed = _rank(tiny_model_path, "trainer.lora.rank=8", "trainer.lora.alpha=16")
+    assert resumed.load_checkpoint(str(tmp_path / "ckpt")) == version
+    again = dict(resumed.backend.full_weights(resumed.model, resumed.tied))
+    assert all(torch.equal(again[k], moved[k]) for k in moved)
+    _close(resumed)
+    full = _rank(tiny_model_path)
+    with pytest.raises(ValueError, match=r"was saved with trainer\.lora=\{'rank': 8"):
+        full.load_checkpoint(str(tmp_path / "ckpt"))
+    _close(full)
 
 
 def test_lora_config_errors_are_one_line() -> None:

@@ -406,6 +406,9 @@ class TrainerRank(WeightPublisher):
         backend = meta.get("backend", "fsdp2")
         if backend != self.tc.backend:
             raise ValueError(f"{ckpt_dir} was saved by trainer.backend={backend}, this run uses {self.tc.backend}")
+        lora = self.tc.lora.model_dump() if self.tc.lora else None
+        if meta.get("lora") != lora:
+            raise ValueError(f"{ckpt_dir} was saved with trainer.lora={meta.get('lora')}, this run has {lora}")
         saved = meta.get("optimizers", [])
         if "sft_optim" in saved and self.sft_opt is None:
             self.sft_opt = self._sft_optimizer()
