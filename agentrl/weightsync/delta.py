@@ -7,9 +7,8 @@ bucket (FULL: no base yet, or the changes would cost more), the k changed positi
 a bitmask of the changed positions and their values (MASK). Each receiver applies them to its base and compares
 the checksum of the result with the sender's; one all-reduce of every bucket's mismatch flags ends the sync (so
 the sender packs the next bucket while the receivers apply the last), and a bucket any receiver got wrong is sent
-again whole. Bases live as long as their group: a new group (the
-first sync, an engine started or restarted, a failed sync) starts from whole buckets on both ends, so a receiver
-never applies a delta to a base it does not have.
+again whole. Bases live as long as their group: a new group (the first sync, an engine started or restarted, a
+failed sync) starts from whole buckets on both ends, so a receiver never applies a delta to a base it does not have.
 
 What changes depends on the learning rate against the bf16 spacing of the weights: one RL step of the default
 example (4 AdamW steps) moved 95% of the tiny model's bf16 elements at its lr 1e-4 and 10% at lr 1e-6
@@ -75,7 +74,7 @@ def _shifts(device: torch.device) -> torch.Tensor:
 def send_bucket(group, flat: torch.Tensor, i: int, bases: dict[int, torch.Tensor], timeout_s: float | None) -> int:
     """Sender (rank 0 of `group`): bucket `i` in the cheapest of three forms: whole, the changed positions
     (int32 / int64) and their values, or a bitmask of the changed positions and their values (in bf16 the
-    positions win below ~4% changed, the bitmask up to ~44%); a delta is sent only when it costs at most half the
+    positions win below ~3% changed, the bitmask up to ~44%); a delta is sent only when it costs at most half the
     bucket, since finding and applying the changes costs more than moving the rest. Updates `bases[i]`; returns
     the bytes broadcast."""
     n, size = flat.numel(), flat.element_size()
