@@ -90,24 +90,22 @@ async def test_delta_sync_moves_only_the_changed_elements_and_loads_what_a_full_
     trainer = TrainerGroup(cfg, tiny_model_path)
     sync = WeightSync(cfg, trainer, router, CPU)
     try:
-        await sync.sync(200)
-        full = sync.sent_bytes
+        full = await sync.sync(200)
         assert full > 4 * (await trainer.ranks[0].__ray_call__.remote(_move_prompt_rows)) * 4  # whole model sent
-        await sync.sync(201)
-        assert sync.sent_bytes < full / 20, (sync.sent_bytes, full)  # a few rows: their indices and values
+        sent = await sync.sync(201)
+        assert sent < full / 20, (sent, full)  # a few rows: their indices and values
         for i, engine in enumerate(engines):
             await _check_engine_matches_trainer(engine, trainer, 201, f"delta-{i}")
         after_delta = await _greedy_logprobs(engines, "after-delta")
         sync._members = None  # as after an engine restart: a new group, whose first sync is full
-        await sync.sync(202)
-        assert sync.sent_bytes >= full
+        assert await sync.sync(202) >= full
         assert await _greedy_logprobs(engines, "after-full") == after_delta
         outs = [await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=1.0, seed=seed),
                                                  f"d-{seed}") for seed in (1, 2)]  # fmt: skip
         good, bad = (_batch(PROMPT + o.token_ids, o.logprobs) for o in outs)
         trainer.train_step([good[0], bad[1]])  # two different completions, rewards 1 and -1
-        await sync.sync(203)
-        assert sync.sent_bytes >= full, (sync.sent_bytes, full)  # float32 Adam step: nearly every element moved
+        sent = await sync.sync(203)
+        assert sent >= full, (sent, full)  # float32 Adam step: nearly every element moved
         for i, engine in enumerate(engines):
             await _check_engine_matches_trainer(engine, trainer, 203, f"delta-step-{i}")
     finally:

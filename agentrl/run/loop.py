@@ -169,9 +169,9 @@ class Pipeline:
             await self.validation.done()
         async with self.trainer_lock:
             with clock.timing("weight_sync"):
-                await self.weights.sync(state.step)
-        if self.weights.sent_bytes is not None:
-            metrics["weight_sync/sent_mb"] = self.weights.sent_bytes / 2**20
+                sent = await self.weights.sync(state.step)
+        if sent is not None:
+            metrics["weight_sync/sent_mb"] = sent / 2**20
         await self.buffer.set_version(state.step)
         self.validation.start(state.step)
         if self.cfg.checkpoint.every_steps and state.step % self.cfg.checkpoint.every_steps == 0:

@@ -45,7 +45,6 @@ class WeightSync:
         self.drain = "abort" if cfg.async_.partial_rollout else "wait"
         self.timeout_s = cfg.rollout.weight_sync_timeout_s
         self.delta = cfg.rollout.weight_sync_delta
-        self.sent_bytes: int | None = None  # what the last collective sync broadcast (rank 0), for the step's metrics
         self.root = weights_dir(cfg.rollout.weights_dir, cfg.name)
         self._group: SyncGroup | None = None
         self._members: list | None = None  # who the group was built for
@@ -78,19 +77,20 @@ class WeightSync:
             )
 
     # ---- one sync ------------------------------------------------------------------------------------------------
-    async def sync(self, version: int) -> None:
-        """The trainer's current weights to every engine, as `version`. A collective sync that fails (an engine
-        died during it) is retried once with the engines still alive; the dead one is restarted by the router."""
+    async def sync(self, version: int) -> int | None:
+        """The trainer's current weights to every engine, as `version`; returns the bytes trainer rank 0 broadcast
+        (None for disk sync). A collective sync that fails (an engine died during it) is retried once with the
+        engines still alive; the dead one is restarted by the router."""
         if self.mode == "disk":
             await self._sync_disk(version)
-            return
+            return None
         try:
-            await self._sync_collective(version)
+            return await self._sync_collective(version)
         except Exception as err:
             print(f"agentrl: weight sync v{version} failed ({_short(err)}); retrying without failed engines",
                   file=sys.stderr, flush=True)  # fmt: skip
             self._members = None
-            await self._sync_collective(version)
+            return await self._sync_collective(version)
 
     async def _sync_disk(self, version: int) -> None:
         plan = await self.router.weight_sync_members.remote()
@@ -98,7 +98,7 @@ class WeightSync:
         await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or self._default_dtype, True)
         await self.router.update_weights.remote(path, version, self.drain)
 
-    async def _sync_collective(self, version: int) -> None:
+    async def _sync_collective(self, version: int) -> int:
         plan = await self.router.weight_sync_members.remote()
         dtype = plan["dtype"] or self._default_dtype
         members = await self.router.hold.remote(plan["members"], self.drain)  # all drained: the group forms at once
@@ -114,10 +114,11 @@ class WeightSync:
         updated = self.router.update_weights.remote(source, version, self.drain, members)
         if not members:  # no engine to send to: the router still records the version for engines that rejoin
             await updated
-            return
+            return 0
         sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES, self.delta)
         # both sides at once; the first failure ends the wait (the other side then times out in its group)
-        _, self.sent_bytes = await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
+        _, sent_bytes = await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
+        return int(sent_bytes)
 
     def close(self) -> None:
         """The writer removes its snapshots (on its own node)."""

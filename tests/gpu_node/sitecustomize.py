@@ -4,7 +4,8 @@ import of one of agentrl's dependencies (core and every extra) that is neither o
 ModuleNotFoundError, as it would there: ray, vllm, sglang, flash_attn, fastapi, gymnasium and the rest.
 
 Packages the node has keep their own dependencies there (its huggingface_hub is not ours), so only agentrl's own
-dependencies are refused. Every import of a third-party package the node lacks is appended to the file
+dependencies are refused; `importlib.util.find_spec` (how libraries probe for optional packages) finds them absent.
+Every import of a third-party package the node lacks is appended to the file
 $AGENTRL_NODE_IMPORTS names, if set ("refused NAME", or "absent NAME" for another package's dependency that the
 node may import differently), so a test can show what the hook saw.
 Chains to any other sitecustomize further down sys.path.
@@ -63,6 +64,10 @@ class _NodeImports(importlib.abc.MetaPathFinder):
             self._owners = importlib.metadata.packages_distributions()
         return self._owners.get(top, [])
 
+    def refuses(self, top: str) -> bool:
+        owners = {_norm(d) for d in self._distributions(top)}
+        return bool(owners) and not owners & ON_NODE and bool(owners & REFUSED)
+
     def find_spec(self, fullname, path=None, target=None):
         top = fullname.partition(".")[0]
         if path is not None or top in sys.stdlib_module_names or top in sys.builtin_module_names:
@@ -83,7 +88,18 @@ class _NodeImports(importlib.abc.MetaPathFinder):
 
 
 if not any(type(f).__name__ == "_NodeImports" for f in sys.meta_path):  # once, however sitecustomizes chain
-    sys.meta_path.insert(0, _NodeImports())
+    _FINDER = _NodeImports()
+    sys.meta_path.insert(0, _FINDER)
+    _real_find_spec = importlib.util.find_spec
+
+    def _find_spec(name, package=None):
+        """An availability probe (accelerate's `is_wandb_available`, transformers' `is_peft_available`) finds a
+        refused package absent, as on the node, where only importing it would fail."""
+        if not name.startswith(".") and _FINDER.refuses(name.partition(".")[0]) and name not in sys.modules:
+            return None
+        return _real_find_spec(name, package)
+
+    importlib.util.find_spec = _find_spec
 
 # Chain to a sitecustomize further down the path (this one shadows it).
 _after = [os.path.abspath(p or ".") for p in sys.path]
