@@ -97,6 +97,35 @@ def test_lora_trains_the_adapters_only_and_hands_out_the_merged_model(one_rank_g
     _close(full)
 
 
+def test_full_warm_start_fine_tunes_every_weight_then_the_adapters_start_on_its_result(
+    one_rank_group, tiny_model_path, samples, tmp_path
+):
+    sft = [s for s in samples if sum(s.loss_mask)][:16]
+    plain = _rank(tiny_model_path, "trainer.sft.lr=1e-3")
+    plain_sft = [plain.sft_step(sft)["sft/loss"] for _ in range(3)]
+    plain.end_warm_start(str(tmp_path / "plain"))
+    fine_tuned = dict(plain.backend.full_weights(plain.model, plain.tied))
+    _close(plain)
+
+    rank = _rank(tiny_model_path, "trainer.lora.rank=8", "trainer.sft.lr=1e-3")
+    assert [rank.sft_step(sft)["sft/loss"] for _ in range(3)] == plain_sft  # full fine-tuning, step for step
+    assert not any(lora.is_adapter(k) for k, _ in rank.model.named_parameters())
+    assert rank.end_warm_start(str(tmp_path / "base"))
+    params = dict(rank.model.named_parameters())
+    trainable = {k for k, p in params.items() if p.requires_grad}
+    assert trainable and all(lora.is_adapter(k) for k in trainable)  # RL trains the adapters only...
+    assert {id(p) for g in rank.opt.optimizer.param_groups for p in g["params"]} == {id(params[k]) for k in trainable}
+    assert rank.sft_opt is None
+    merged = dict(rank.backend.full_weights(rank.model, rank.tied))  # ...on the warm-started base (B = 0)
+    assert list(merged) == list(fine_tuned) and all(torch.equal(merged[k], fine_tuned[k]) for k in merged)
+    base = {k: _local(p) for k, p in params.items() if not lora.is_adapter(k)}
+    rank.train_step(samples)
+    params = dict(rank.model.named_parameters())
+    assert all(torch.equal(_local(params[k]), v) for k, v in base.items()), "the base moved in RL"
+    assert any(_local(params[k]).abs().sum() > 0 for k in trainable if "lora_B" in k)  # the adapters learn
+    _close(rank)
+
+
 def test_lora_config_errors_are_one_line() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.lora needs trainer\.backend: fsdp2"):
         load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])

@@ -5,6 +5,8 @@ trainer rank 0 to the engine workers (collective), through the router's gate and
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from agentrl.config import load_config
@@ -13,6 +15,7 @@ from agentrl.platform import CPU
 from agentrl.run.weights import WeightSync
 from agentrl.trainer import TrainerGroup
 from agentrl.types import Sample
+from tests.conftest import TEST_KV_CACHE_GIB
 
 PROMPT = [5, 6, 7, 8, 9, 10]
 
@@ -118,7 +121,8 @@ async def test_a_lora_policy_reaches_the_engines_merged(vllm_fleet, tiny_model_p
     the HF names), and their log-probs then match the trainer's."""
     _, engines, router = vllm_fleet
     cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "rollout.num_engines=2",
-                             "rollout.weight_sync=collective", "trainer.lora.rank=8", "name=sync-lora"])  # fmt: skip
+                             "rollout.weight_sync=collective", "trainer.lora.rank=8", "trainer.lora.sync=merged",
+                             "name=sync-lora"])  # fmt: skip
     trainer = TrainerGroup(cfg, tiny_model_path)
     sync = WeightSync(cfg, trainer, router, CPU)
     try:
@@ -135,3 +139,58 @@ async def test_a_lora_policy_reaches_the_engines_merged(vllm_fleet, tiny_model_p
     finally:
         sync.close()
         trainer.shutdown()
+
+
+def _fp32_bytes(trainer: TrainerGroup, part: str) -> int:
+    return sum(4 * math.prod(shape) for _, shape, _ in trainer.weight_metas("float32", part))
+
+
+async def test_engines_serve_the_adapters_and_a_sync_moves_only_them(ray_session, tiny_model_path, tmp_path):
+    """trainer.lora with sync: adapter, on a real LoRA-serving vLLM engine. After a full warm start the first sync
+    brings the new base and the adapters; later syncs move the adapters alone (collective: the bytes broadcast;
+    disk: the files written), and the engine's log-probs match the trainer's at every version. A disk sync names
+    its base, which an engine holding another base loads first."""
+    import os
+
+    from agentrl.rollout.fleet import start_engines, start_router
+
+    cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "trainer.lora.rank=8",
+                             "rollout.weight_sync=collective", "name=sync-adapters", "trainer.sft.lr=0.01",
+                             f"rollout.kv_cache_gib={TEST_KV_CACHE_GIB}"])  # fmt: skip
+    engines = start_engines(cfg.rollout, tiny_model_path, lora=cfg.trainer.lora)
+    router = start_router(engines, cfg.rollout)
+    trainer = TrainerGroup(cfg, tiny_model_path)
+    sync = WeightSync(cfg, trainer, router, CPU)
+    disk_cfg = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"weight_sync": "disk"})})
+    disk = WeightSync(disk_cfg, trainer, router, CPU)
+    try:
+        out = await engines[0].generate.remote(PROMPT, SamplingConfig(max_tokens=16, temperature=1.0, seed=1), "a")
+        batch = _batch(PROMPT + out.token_ids, out.logprobs)
+        trainer.sft_step(batch[:1])  # a full warm start: the base moves, then fresh adapters sit on it
+        trainer.end_warm_start(str(tmp_path / "warm"))
+        adapters = _fp32_bytes(trainer, "adapters")
+        assert await sync.sync(1) == _fp32_bytes(trainer, "base") + adapters  # the new base goes with the first
+        await _check_engine_matches_trainer(engines[0], trainer, 1, "adapters-1")
+        for version in (2, 3):
+            trainer.train_step(batch)
+            assert await sync.sync(version) == adapters  # the adapters alone
+            await _check_engine_matches_trainer(engines[0], trainer, version, f"adapters-{version}")
+        (moved,) = trainer.compute_logprobs([batch[0]])
+        assert max(abs(a - b) for a, b in zip(out.logprobs, moved[len(PROMPT) :], strict=True)) > 1e-3
+
+        disk.check(engines)
+        for version in (4, 5):  # the first disk sync writes the base once, then each one an adapter dir
+            trainer.train_step(batch)
+            await disk.sync(version)
+            written = {p.name: p for p in disk.root.iterdir()}
+            assert set(written) == {"base-v4", f"v{version}"}
+            files = sorted(os.listdir(written[f"v{version}"]))
+            assert files == ["adapter_config.json", "adapter_model.safetensors"]
+            assert (written[f"v{version}"] / "adapter_model.safetensors").stat().st_size < 1.1 * adapters
+            await _check_engine_matches_trainer(engines[0], trainer, version, f"adapters-disk-{version}")
+    finally:
+        sync.close()
+        disk.close()
+        trainer.shutdown()
+        for handle in [*engines, router]:
+            ray_session.kill(handle)

@@ -7,7 +7,7 @@ from typing import Any
 
 import ray
 
-from agentrl.config.schema import RolloutConfig
+from agentrl.config.schema import LoraConfig, RolloutConfig
 from agentrl.models.hub import hub_env
 from agentrl.placement import Placement, create_placement
 from agentrl.platform import Platform, cluster_platform
@@ -31,12 +31,15 @@ def engine_class(backend: str) -> type:
     raise ValueError(f"unknown rollout backend {backend!r}")
 
 
-def engine_kwargs(cfg: RolloutConfig, model_path: str, seed: int, index: int = 0) -> dict[str, Any]:
+def engine_kwargs(
+    cfg: RolloutConfig, model_path: str, seed: int, index: int = 0, lora: LoraConfig | None = None
+) -> dict[str, Any]:
+    """The engine class's arguments; `lora`: the adapters it serves (vllm only)."""
     if cfg.backend == "remote":
         # rollout.url may list several servers, comma-separated: engine i talks to server i (round robin).
         urls = [u.strip() for u in (cfg.url or "").split(",") if u.strip()]
         return {"url": urls[index % len(urls)], "request_timeout_s": cfg.request_timeout_s, **cfg.engine_kwargs}
-    return {"model_path": model_path, "cfg": cfg, "seed": seed}
+    return {"model_path": model_path, "cfg": cfg, "seed": seed, **({"lora": lora} if lora is not None else {})}
 
 
 class Engines(list):
@@ -86,12 +89,13 @@ def _create(
     index: int = 0,
     platform: Platform | None = None,
     placement: Placement | None = None,
+    lora: LoraConfig | None = None,
 ) -> Any:
     platform = platform or cluster_platform()
     return (
         ray.remote(engine_class(cfg.backend))
         .options(**engine_options(cfg, platform, placement, index))
-        .remote(**engine_kwargs(cfg, model_path, seed, index))
+        .remote(**engine_kwargs(cfg, model_path, seed, index, lora))
     )
 
 
@@ -102,8 +106,9 @@ def _create_at(
     index: int,
     platform: Platform | None = None,
     placement: Placement | None = None,
+    lora: LoraConfig | None = None,
 ) -> Any:
-    return _create(cfg, model_path, seed + index, index, platform, placement)
+    return _create(cfg, model_path, seed + index, index, platform, placement, lora)
 
 
 def engine_factory(
@@ -112,21 +117,28 @@ def engine_factory(
     seed: int = 0,
     platform: Platform | None = None,
     placement: Placement | None = None,
+    lora: LoraConfig | None = None,
 ) -> EngineFactory:
     """Engine `index` made anew exactly as create_engines made it (not started), in bundle `index` of `placement`:
     the router's restart path. `platform` defaults to the one of the connected Ray cluster (`cluster_platform`)."""
     platform = platform or (placement.platform if placement is not None else cluster_platform())
-    return functools.partial(_create_at, cfg, model_path, seed, platform=platform, placement=placement)
+    return functools.partial(_create_at, cfg, model_path, seed, platform=platform, placement=placement, lora=lora)
 
 
 def create_engines(
-    cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None, platform: Platform | None = None
+    cfg: RolloutConfig,
+    model_path: str,
+    seed: int = 0,
+    count: int | None = None,
+    platform: Platform | None = None,
+    lora: LoraConfig | None = None,
 ) -> Engines:
     """`count` (default rollout.num_engines) engine actors in their placement group, created but not started (no
-    weights loaded yet): a caller can check things in between, then `start_created`."""
+    weights loaded yet): a caller can check things in between, then `start_created`. `lora`: the adapters the
+    engines serve (trainer.lora with sync: adapter)."""
     platform = platform or cluster_platform()
     placement = engine_placement(cfg, platform, count)
-    make = engine_factory(cfg, model_path, seed, platform, placement)
+    make = engine_factory(cfg, model_path, seed, platform, placement, lora)
     return Engines([make(i) for i in range(count or cfg.num_engines)], platform, placement)
 
 
@@ -137,14 +149,24 @@ def start_created(engines: list[Any]) -> list[Any]:
 
 
 def start_engines(
-    cfg: RolloutConfig, model_path: str, seed: int = 0, count: int | None = None, platform: Platform | None = None
+    cfg: RolloutConfig,
+    model_path: str,
+    seed: int = 0,
+    count: int | None = None,
+    platform: Platform | None = None,
+    lora: LoraConfig | None = None,
 ) -> Engines:
     """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
-    return start_created(create_engines(cfg, model_path, seed, count, platform))
+    return start_created(create_engines(cfg, model_path, seed, count, platform, lora))
 
 
 def start_router(
-    engines: list[Any], cfg: RolloutConfig, model_path: str | None = None, seed: int = 0, **health_overrides: Any
+    engines: list[Any],
+    cfg: RolloutConfig,
+    model_path: str | None = None,
+    seed: int = 0,
+    lora: LoraConfig | None = None,
+    **health_overrides: Any,
 ) -> Any:
     """The router actor. With `model_path` (and the `seed` given to start_engines) it restarts a dead engine up to
     rollout.restart_engines times, in the dead engine's placement bundle when `engines` came from create_engines;
@@ -152,7 +174,7 @@ def start_router(
     restart = None
     if model_path is not None:
         platform, placement = getattr(engines, "platform", None), getattr(engines, "placement", None)
-        restart = engine_factory(cfg, model_path, seed, platform, placement)
+        restart = engine_factory(cfg, model_path, seed, platform, placement, lora)
     health = HealthPolicy(**health_overrides)
     return (
         ray.remote(Router)

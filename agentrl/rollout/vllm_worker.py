@@ -10,12 +10,23 @@ its weight fixes it; layers whose weights vLLM removed after packing were re-pac
 Each worker (one per tensor-parallel rank) joins the group as rank `first_rank + self.rank`, receives every
 bucket in full and hands the tensors to vLLM's in-place `reload_weights`, whose weight loaders keep this rank's
 shard.
+With `adapters` (trainer.lora, sync: adapter) the broadcast also (or only) holds LoRA adapter tensors under peft's
+names: the worker writes them as a peft adapter dir (its local rank 0, on the engine's node) for the engine's
+`add_lora`, and reloads only the base weights, if any came.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+
 from agentrl.weightsync.buckets import GroupCache, SyncGroup, TensorMeta
 from agentrl.weightsync.receive import receive_state_dict
+
+PEFT_PREFIX = "base_model.model."  # adapter tensors' names (agentrl.trainer.lora.peft_name)
 
 
 class AgentrlWorkerExtension:
@@ -37,10 +48,20 @@ class AgentrlWorkerExtension:
         the worker's own `reload_weights`, which some builds lack (vllm-ascend 0.23's NPUWorker)."""
         self.model_runner.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
 
-    def receive_weights(self, group: dict, first_rank: int, metas: list, bucket_bytes: int, delta: bool = False) -> int:
+    def receive_weights(
+        self,
+        group: dict,
+        first_rank: int,
+        metas: list,
+        bucket_bytes: int,
+        delta: bool = False,
+        adapters: dict | None = None,
+        adapter_dir: str = "",
+    ) -> int:
         """Join (or reuse) the weight-sync group `group` (`SyncGroup` fields), receive every bucket and load it.
         `metas` are (name, shape, dtype) triples: plain values travel through vLLM's RPC on every version.
-        `delta`: buckets may arrive as changes to the ones this worker received last in the same group."""
+        `delta`: buckets may arrive as changes to the ones this worker received last in the same group.
+        `adapters` (an adapter_config.json): adapter tensors go to `adapter_dir` instead of the model."""
         if not hasattr(self, "_agentrl_groups"):
             self._agentrl_groups = GroupCache()
         rank = first_rank + int(getattr(self, "rank", 0))
@@ -51,10 +72,38 @@ class AgentrlWorkerExtension:
             pg = self._agentrl_groups.get(where, rank=rank)
             bases = self._agentrl_groups.bases if delta else None
             received = receive_state_dict(pg, wanted, device, bucket_bytes, where.timeout_s, bases)
-            # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
-            # the layers and dropped their weight loaders; its in-place reload restores them around the load
-            self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
+            tensors: dict[str, torch.Tensor] = {}
+            if adapters is not None:
+                received = _set_aside_adapters(received, tensors)
+            if adapters is None or any(not m.name.startswith(PEFT_PREFIX) for m in wanted):
+                # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
+                # the layers and dropped their weight loaders; its in-place reload restores them around the load
+                self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
+            else:
+                for _ in received:  # adapters only: every bucket still arrives
+                    pass
         except Exception:  # the sender or another engine died in the group: drop (abort) it, the next sync rebuilds
             self._agentrl_groups.fail()
             raise
+        if adapters is not None and int(getattr(self, "local_rank", getattr(self, "rank", 0))) == 0:
+            _write_adapter(adapter_dir, tensors, adapters)
         return len(wanted)
+
+
+def _set_aside_adapters(received: Iterator, into: dict) -> Iterator:
+    for name, tensor in received:
+        if name.startswith(PEFT_PREFIX):
+            into[name] = tensor
+        else:
+            yield name, tensor
+
+
+def _write_adapter(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+    """A peft adapter dir, as vLLM's add_lora reads one."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
+              os.path.join(path, "adapter_model.safetensors"))  # fmt: skip
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f)

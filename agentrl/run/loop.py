@@ -128,7 +128,7 @@ class Pipeline:
         sft = self.cfg.trainer.sft
         warm = sft.enabled and sft.steps > 0
         if warm:
-            self.sink.log(0, await warm_start(self.cfg, self.parts, self.view))
+            self.sink.log(0, await warm_start(self.cfg, self.parts, self.view, self.run_dir))
         await asyncio.to_thread(self.parts.loading.check)
         if warm:
             await self.weights.sync(0)

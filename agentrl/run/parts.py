@@ -87,8 +87,9 @@ def start_parts(cfg: Config, run_dir: Path) -> RunParts:
         ref = model_path = str(warm_cache)
     platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
     check_before_start(cfg, model_path, platform)
-    engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
-    router = start_router(engines, cfg.rollout, model_path=ref, seed=cfg.seed)
+    lora = cfg.trainer.lora if cfg.trainer.lora is not None and cfg.trainer.lora.sync == "adapter" else None
+    engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform, lora=lora)
+    router = start_router(engines, cfg.rollout, model_path=ref, seed=cfg.seed, lora=lora)
     disk = cfg.rollout.resolved_weight_sync == "disk"
 
     def load() -> EngineLoading:

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import random
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -192,8 +193,9 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "prompts": [cfg.envs.sample_mode, cfg.envs.turn_history_window, DEMO_FORMAT],
         "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
         "agents": _agent_sources(cfg),  # an agent program plays its own demos: its code shapes them
-        # with trainer.lora the warm start trains adapters only: another warm start than full fine-tuning's
-        "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens", "lora"}),
+        "trainer": cfg.trainer.model_dump(include={"backend", "num_ranks", "precision", "micro_batch_tokens"}),
+        # trainer.lora's full warm start is full fine-tuning's; an adapters-only one is another
+        "lora": cfg.trainer.lora.model_dump() if cfg.trainer.lora and cfg.trainer.lora.warm_start != "full" else None,
         # The warm start runs at trainer.sft.lr, constant: the RL lr and schedule do not change it.
         "optim": cfg.trainer.optim.model_dump(exclude={"lr", "schedule", "warmup_steps"}),
     }
@@ -219,9 +221,11 @@ def is_cached(path: Path | None) -> bool:
     return path is not None and (path / "model.safetensors").exists() and (path / "config.json").exists()
 
 
-async def warm_start(cfg: Config, parts: Any, view: Any) -> dict[str, float]:
+async def warm_start(cfg: Config, parts: Any, view: Any, run_dir: Path) -> dict[str, float]:
     """The warm start: SFT on expert demos (the engines load their weights beside it), its weights then saved at
-    `trainer.sft.cache`; a cached one is reused and skips it. Returns the metrics logged at step 0."""
+    `trainer.sft.cache`; a cached one is reused and skips it. Returns the metrics logged at step 0. With
+    trainer.lora's full warm start, the fine-tuned weights become the adapters' base (saved in the cache, else in
+    RUN_DIR/warm-start)."""
     from transformers import AutoTokenizer
 
     if parts.model_path == str(parts.warm_cache):
@@ -237,8 +241,14 @@ async def warm_start(cfg: Config, parts: Any, view: Any) -> dict[str, float]:
             parts.loading.check(wait=False)  # engines load beside the warm start: a failure ends it at once
             metrics = await asyncio.to_thread(parts.trainer.sft_step, demos[start : start + sft.batch_size])
             tick()
-    if parts.warm_cache is not None:
-        await asyncio.to_thread(_save_warm_start, parts.trainer, parts.warm_cache)
+    lora = cfg.trainer.lora
+    if lora is not None and lora.warm_start == "full":
+        base = parts.warm_cache or run_dir / "warm-start"
+        if base != parts.warm_cache:
+            shutil.rmtree(base, ignore_errors=True)  # an earlier run's in this run dir
+        await asyncio.to_thread(_save_warm_start, parts.trainer.end_warm_start, base)
+    elif parts.warm_cache is not None:
+        await asyncio.to_thread(_save_warm_start, parts.trainer.save_warm_start, parts.warm_cache)
     return {
         **metrics,
         "sft/seconds": time.perf_counter() - t0,
@@ -247,12 +257,12 @@ async def warm_start(cfg: Config, parts: Any, view: Any) -> dict[str, float]:
     }
 
 
-def _save_warm_start(trainer: Any, path: Path) -> None:
+def _save_warm_start(save: Callable[[str], bool], path: Path) -> None:
     """Trainer rank 0 writes the warm-started weights into a temporary folder and renames it into place on its own
     node (a concurrent run with the same key may have saved it first, and a reader never sees half a model). A
     driver on another node that does not see it says so: later runs reuse it only from a model.cache_dir every
     node shares."""
-    trainer.save_warm_start(str(path))
+    save(str(path))
     if not is_cached(path):
         print(
             f"agentrl: trainer.sft.cache: the warm start was saved at {path} on trainer rank 0's node, which "

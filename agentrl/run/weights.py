@@ -9,6 +9,12 @@ disk: rank 0 writes a safetensors snapshot (in the engines' dtype) to `rollout.w
 reloads it, so the folder must be one every node sees; a sentinel written by rank 0 and read by every engine
 checks that at start-up.
 
+With trainer.lora (sync: adapter) the engines serve the adapters on a base they got once: a sync sends the
+adapters only (a peft adapter dir on disk, or adapter tensors in the broadcast). The base goes with the first sync
+of this driver (it is the warm start's, or a resumed checkpoint's) and, over a collective group, whenever the
+group is new (a restarted engine starts from the model path). A disk adapter dir names its base dir, so an engine
+restarted from disk loads both.
+
 Either way the router closes each engine's gate and drains it (preempting in-flight generations under partial
 rollout) before the load, so no token is sampled on a mix of two versions.
 """
@@ -30,6 +36,7 @@ import ray
 from agentrl.config import Config, ConfigError
 from agentrl.platform import Platform
 from agentrl.trainer import TrainerGroup
+from agentrl.trainer.lora import adapter_config as lora_adapter_config
 from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES, SyncGroup
 
 
@@ -45,10 +52,13 @@ class WeightSync:
         self.drain = "abort" if cfg.async_.partial_rollout else "wait"
         self.timeout_s = cfg.rollout.weight_sync_timeout_s
         self.delta = cfg.rollout.weight_sync_delta
+        lora = cfg.trainer.lora
+        self.adapters = lora is not None and lora.sync == "adapter"  # engines serve the adapters (vLLM's LoRA)
+        self._base: str | None = None  # disk + adapters: the base dir the engines were sent
         self.root = weights_dir(cfg.rollout.weights_dir, cfg.name)
         self._group: SyncGroup | None = None
         self._members: list | None = None  # who the group was built for
-        self._metas: list | None = None
+        self._metas: dict[str, list] = {}  # per part sent
         # what an engine that names no dtype gets (the free-space check sizes the same): bf16 on accelerators
         self._default_dtype = str(platform.default_dtype()).removeprefix("torch.")
 
@@ -94,28 +104,39 @@ class WeightSync:
 
     async def _sync_disk(self, version: int) -> None:
         plan = await self.router.weight_sync_members.remote()
-        path = str(self.root / f"v{version}")
-        await asyncio.to_thread(self.trainer.export_weights, path, plan["dtype"] or self._default_dtype, True)
+        path, dtype = str(self.root / f"v{version}"), plan["dtype"] or self._default_dtype
+        if not self.adapters:
+            await asyncio.to_thread(self.trainer.export_weights, path, dtype, True)
+        else:
+            if self._base is None:  # the base the adapters train on, once: engines load it when their base differs
+                self._base = str(self.root / f"base-v{version}")
+                await asyncio.to_thread(self.trainer.export_weights, self._base, dtype, False, "base")
+            await asyncio.to_thread(self.trainer.export_weights, path, dtype, True, "adapters", self._base)
         await self.router.update_weights.remote(path, version, self.drain)
 
     async def _sync_collective(self, version: int) -> int:
         plan = await self.router.weight_sync_members.remote()
         dtype = plan["dtype"] or self._default_dtype
         members = await self.router.hold.remote(plan["members"], self.drain)  # all drained: the group forms at once
-        if self._metas is None:
-            self._metas = await asyncio.to_thread(self.trainer.weight_metas, dtype)
-        if members != self._members:  # a new set of engines: a new group (the old one is dropped on both ends)
+        new_group = members != self._members
+        part = "model" if not self.adapters else "base+adapters" if new_group else "adapters"
+        if part not in self._metas:
+            self._metas[part] = await asyncio.to_thread(self.trainer.weight_metas, dtype, part)
+        if new_group:  # a new set of engines: a new group (the old one is dropped on both ends)
             addr, port = await asyncio.to_thread(self.trainer.sync_address)
             world = 1 + sum(workers for _, _, workers in members)
             self._group = SyncGroup(addr, port, world, self.backend, self.timeout_s)
             self._members = members
         where = asdict(self._group)
-        source = {"group": where, "metas": self._metas, "bucket_bytes": DEFAULT_BUCKET_BYTES, "delta": self.delta}
+        source = {"group": where, "metas": self._metas[part], "bucket_bytes": DEFAULT_BUCKET_BYTES,
+                  "delta": self.delta}  # fmt: skip
+        if self.adapters:
+            source["adapters"] = lora_adapter_config(self.cfg.trainer.lora)
         updated = self.router.update_weights.remote(source, version, self.drain, members)
         if not members:  # no engine to send to: the router still records the version for engines that rejoin
             await updated
             return 0
-        sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES, self.delta)
+        sent = self.trainer.broadcast_weights_async(where, dtype, DEFAULT_BUCKET_BYTES, self.delta, part)
         # both sides at once; the first failure ends the wait (the other side then times out in its group)
         _, sent_bytes = await asyncio.wait_for(asyncio.gather(_await(updated), _await(sent)), self.timeout_s + 30)
         return int(sent_bytes)

@@ -104,15 +104,23 @@ class TrainerGroup:
             merged.update(part)
         return [merged[i] for i in range(len(samples))]
 
-    def export_weights(self, out_dir: str, dtype: str = "float32", prune_older: bool = False) -> str:
+    def export_weights(
+        self, out_dir: str, dtype: str = "float32", prune_older: bool = False, part: str = "model", base: str = ""
+    ) -> str:
         """Full weights as HF safetensors in `out_dir`, cast to `dtype`: an engine's reload_weights dir
-        (rollout.weight_sync=disk, which prunes the older snapshots) or a cached warm start."""
-        return self._get(self._call("export_weights", out_dir, dtype, prune_older))
+        (rollout.weight_sync=disk, which prunes the older snapshots) or a cached warm start. With trainer.lora,
+        `part` "base" or "adapters" writes that part alone (`WeightPublisher.export_weights`)."""
+        return self._get(self._call("export_weights", out_dir, dtype, prune_older, part, base))
 
     def save_warm_start(self, path: str) -> bool:
         """The current weights (float32) as an HF model dir at `path`, written and renamed into place by rank 0
         on its own node; False when another run saved it first."""
         return self._get(self._call("save_warm_start", path))
+
+    def end_warm_start(self, path: str) -> bool:
+        """After the last SFT step: the weights saved as `save_warm_start` does; with trainer.lora's full warm
+        start they then become the base of fresh adapters (every rank rebuilds its policy from `path`)."""
+        return self._get(self._call("end_warm_start", path))
 
     def write_sentinel(self, path: str, dtype: str) -> None:
         """Rank 0 writes `path` after checking its folder has room for two snapshots in `dtype` (disk sync)."""
@@ -127,9 +135,9 @@ class TrainerGroup:
         """Rank 0 removes a file or folder it wrote (on its node, which may not be the driver's)."""
         self._get(self._call("remove_path", path))
 
-    def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
+    def weight_metas(self, dtype: str, part: str = "model") -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype) of every tensor `broadcast_weights_async` sends: what the receivers allocate."""
-        return self._get(self._call("weight_metas", dtype))
+        return self._get(self._call("weight_metas", dtype, part))
 
     def sync_address(self) -> tuple[str, int]:
         """Rank 0's node IP and a free port there (from `rollout.weight_sync_ports` when set): where a new
@@ -137,11 +145,14 @@ class TrainerGroup:
         self._check_pending()
         return ray.get(self.ranks[0].sync_address.remote())
 
-    def broadcast_weights_async(self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False) -> ray.ObjectRef:
+    def broadcast_weights_async(
+        self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False, part: str = "model"
+    ) -> ray.ObjectRef:
         """Start sending the current weights over the weight-sync group `where` (SyncGroup fields); the engines
         must receive meanwhile, so this returns rank 0's ref (bytes sent) instead of waiting. `delta`: only what
-        changed since the last sync in the same group travels (rollout.weight_sync_delta)."""
-        return self._call("broadcast_weights", where, dtype, bucket_bytes, delta)
+        changed since the last sync in the same group travels (rollout.weight_sync_delta). `part`: with
+        trainer.lora, "adapters" or "base+adapters" (`WeightPublisher.export_weights`)."""
+        return self._call("broadcast_weights", where, dtype, bucket_bytes, delta, part)
 
     def save_checkpoint(self, ckpt_dir: str) -> str:
         """Sharded DCP checkpoint: model, optimizer(s), scheduler, RNG, policy version, optimizer steps."""

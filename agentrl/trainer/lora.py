@@ -36,6 +36,25 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> None:
                          f"({err})") from None  # fmt: skip
 
 
+PEFT_PREFIX = "base_model.model."  # the names in a saved peft adapter (what vLLM loads)
+
+
+def peft_name(name: str) -> str:
+    """An adapter's name as peft saves it: `base_model.model.<module>.lora_A.weight`."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def adapter_config(cfg: LoraConfig, base: str | None = None) -> dict:
+    """adapter_config.json of a saved adapter, as peft writes it (what vLLM's PEFTHelper reads). `agentrl_base`:
+    the HF model dir of the base it was trained on (None: the model the engines started from)."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
+        "base_model_name_or_path": base, "agentrl_base": base,
+    }  # fmt: skip
+
+
 def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 

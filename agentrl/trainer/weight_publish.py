@@ -8,19 +8,26 @@ A mixin of `TrainerRank` (the Ray actor), kept apart from the training steps; it
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 
 from agentrl.config.schema import Config
+from agentrl.trainer import lora
 from agentrl.trainer.backends import ModelBackend
 from agentrl.trainer.checkpoint import copy_hf_side_files, write_safetensors
 from agentrl.weightsync import send
 from agentrl.weightsync.buckets import GroupCache, PackBuffer, SyncError, SyncGroup, free_port
+
+Part = Literal["model", "base", "adapters", "base+adapters"]
 
 
 class WeightPublisher:
@@ -33,22 +40,44 @@ class WeightPublisher:
     _sync_groups: GroupCache
     _pack_buffer: PackBuffer
 
-    def export_weights(self, out_dir: str, dtype: str = "float32", prune_older: bool = False) -> str:
-        """Full weights as HF-named safetensors (+ config) in `dtype`, by rank 0: what engines' reload_weights
-        read (rollout.weight_sync=disk; `prune_older` then removes the earlier `v*` snapshots beside it), or a
-        cached warm start. Collective: every rank walks the backend's gathers."""
+    def export_weights(
+        self, out_dir: str, dtype: str = "float32", prune_older: bool = False, part: Part = "model", base: str = ""
+    ) -> str:
+        """Weights as safetensors in `dtype`, by rank 0: what engines reload (rollout.weight_sync=disk;
+        `prune_older` then removes the earlier `v*` snapshots beside it), or a cached warm start. `part`: the
+        whole (merged) model as an HF model dir; with trainer.lora also "base" (the frozen base, an HF model dir)
+        or "adapters" (a peft adapter dir whose adapter_config.json names `base`, the base dir it goes with).
+        Collective: every rank walks the backend's gathers."""
         cast, state = getattr(torch, dtype), {}
-        for name, t in self.backend.full_weights(self.model, self.tied):
+        for name, t in self._weights(part):
             if self.rank == 0:
                 state[name] = (t.to(cast) if t.is_floating_point() else t).detach().to("cpu").contiguous()
         if self.rank == 0:
-            write_safetensors(state, out_dir)
-            if not os.path.exists(os.path.join(out_dir, "config.json")):
-                copy_hf_side_files(self.model_path, out_dir)
+            if part == "adapters":
+                os.makedirs(out_dir, exist_ok=True)
+                save_file(state, os.path.join(out_dir, "adapter_model.safetensors"))
+                with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+                    json.dump(lora.adapter_config(self.cfg.trainer.lora, base or None), f)
+            else:
+                write_safetensors(state, out_dir)
+                if not os.path.exists(os.path.join(out_dir, "config.json")):
+                    copy_hf_side_files(self.model_path, out_dir)
             if prune_older:
                 _remove_older_snapshots(out_dir)
         dist.barrier()
         return out_dir
+
+    def _weights(self, part: Part) -> Iterator[tuple[str, torch.Tensor]]:
+        if part == "model":
+            return self.backend.full_weights(self.model, self.tied)
+        weights = self.backend.lora_weights(self.model, self.tied, base=part != "adapters")
+        return ((k, v) for k, v in weights if part != "base" or not k.startswith(lora.PEFT_PREFIX))
+
+    def _metas(self, part: Part) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        if part == "model":
+            return self.backend.weight_metas(self.model, self.tied)
+        metas = self.backend.lora_metas(self.model, self.tied, base=part != "adapters")
+        return [m for m in metas if part != "base" or not m[0].startswith(lora.PEFT_PREFIX)]
 
     def write_sentinel(self, path: str, dtype: str) -> None:
         """Rank 0 writes a file the engines must then read (is the weights dir shared with them?) and checks the
@@ -81,17 +110,19 @@ class WeightPublisher:
             elif os.path.exists(path):
                 os.remove(path)
 
-    def weight_metas(self, dtype: str) -> list[tuple[str, list[int], str]]:
+    def weight_metas(self, dtype: str, part: Part = "model") -> list[tuple[str, list[int], str]]:
         """Names, full shapes and dtypes of what `broadcast_weights` sends, as plain values (engines receive them
         through vLLM's RPC): the receivers allocate from them."""
-        metas = send.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
+        metas = send.weight_metas(self._metas(part), getattr(torch, dtype))
         return [(m.name, list(m.shape), m.dtype) for m in metas]
 
-    def broadcast_weights(self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False) -> int:
+    def broadcast_weights(
+        self, where: dict, dtype: str, bucket_bytes: int, delta: bool = False, part: Part = "model"
+    ) -> int:
         """Collective: every rank gathers each weight in turn; rank 0 joins the weight-sync group `where`
         (`SyncGroup` fields) as its rank 0 and broadcasts the buckets while the engine workers receive them.
         Returns the bytes sent (rank 0). `delta`: send each bucket's changes since the last sync in this group
-        when smaller (`agentrl.weightsync.delta`).
+        when smaller (`agentrl.weightsync.delta`). `part`: as `export_weights`; "base+adapters" sends both.
 
         An engine that dies or hangs in the group fails the sync within the group's timeout (`SyncError` from
         rank 0), never the trainer: rank 0 still walks every gather with the other ranks, drops (aborts) the
@@ -103,8 +134,8 @@ class WeightPublisher:
                 group = self._sync_groups.get(sync, rank=0)
             except Exception as err:  # an engine that never joined: the store or the group timed out
                 join_error = err
-        metas = send.weight_metas(self.backend.weight_metas(self.model, self.tied), getattr(torch, dtype))
-        full = self.backend.full_weights(self.model, self.tied)
+        metas = send.weight_metas(self._metas(part), getattr(torch, dtype))
+        full = self._weights(part)
         try:
             bases = self._sync_groups.bases if delta else None
             sent = send.broadcast_weights(group, full, metas, bucket_bytes, self._pack_buffer, sync.timeout_s, bases)

@@ -325,6 +325,9 @@ class TrainerRank(WeightPublisher):
         A warm start, not an RL batch: it leaves the policy version alone."""
         t0 = time.perf_counter()
         if self.sft_opt is None:
+            if self._full_warm_start():  # fine-tune the plain model; end_warm_start puts the adapters back
+                del self.model, self.opt
+                self.model = self.backend.build_policy(self.model_path, adapters=False)
             self.sft_opt = self._sft_optimizer()
         mbs = self._plan(samples, shared=self._shares_prompts(grad=True))
         fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
@@ -357,6 +360,23 @@ class TrainerRank(WeightPublisher):
         return self._logprob_pass(self.model, samples, self._plan(samples), every_token=True)
 
     # ---- weights and state ---------------------------------------------------------------------------------
+
+    def _full_warm_start(self) -> bool:
+        return self.tc.lora is not None and self.tc.lora.warm_start == "full"
+
+    def end_warm_start(self, path: str) -> bool:
+        """Collective, after the last sft_step. With trainer.lora and a full warm start: the fine-tuned weights
+        are saved at `path` (as `save_warm_start`) and become the base of a policy with fresh adapters (B = 0, so
+        it computes what the warm start left) and a fresh RL optimizer. Otherwise only saves them. Returns whether
+        this call wrote `path` (rank 0)."""
+        saved = self.save_warm_start(path)
+        if self._full_warm_start() and self.sft_opt is not None:
+            del self.model  # and sft_step dropped the RL optimizer of the policy it replaced
+            self.sft_opt = None  # its state is the plain model's: the RL run goes on with the adapters only
+            self.model = self.backend.build_policy(path, adapters=True)
+            steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
+            self.opt = self.backend.optimizer(self.model, steps)
+        return saved
 
     def _sft_optimizer(self) -> TrainOptimizer:
         """AdamW at trainer.sft.lr, constant: the warm start keeps trainer.optim's betas, eps, decay and clipping,

@@ -76,6 +76,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _lora_name(name: str) -> str:
+    return lora.peft_name(name) if lora.is_adapter(name) else lora.hf_name(name)
+
+
 class FSDP2Backend(ModelBackend):
     def __init__(self, cfg: Any, model_path: str, device: torch.device, platform: Any) -> None:
         self.tc, self.model_path, self.device, self.platform = cfg.trainer, model_path, device, platform
@@ -83,6 +87,12 @@ class FSDP2Backend(ModelBackend):
 
     def build(self, role: Role) -> nn.Module:
         return build_sharded(self.model_path, self.device, self.tc, self.platform, role)
+
+    def build_policy(self, path: str, adapters: bool) -> nn.Module:
+        """The policy from the HF model at `path`, with `trainer.lora`'s adapters or without any (a LoRA run's
+        full warm start fine-tunes the plain model, then its result becomes the adapters' base)."""
+        tc = self.tc if adapters else self.tc.model_copy(update={"lora": None})
+        return build_sharded(path, self.device, tc, self.platform, "policy")
 
     def optimizer(self, model: nn.Module, total_steps: int, optim: OptimConfig | None = None) -> FSDP2Optimizer:
         reshard(model)  # its parameters() must be the sharded ones the steps update, whatever ran before
@@ -133,6 +143,17 @@ class FSDP2Backend(ModelBackend):
         """The whole weights in `weight_metas` order; with LoRA, merged (what the engines and exports get)."""
         full = ((k, full_tensor(v)) for k, v in sharded_named_params(model, tied))
         return lora.merged(full, lora.scaling(self.tc.lora)) if self._adapters(model) else full
+
+    def lora_metas(self, model, tied, base: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """`lora_weights`' names, shapes and dtypes, without communication."""
+        return [(_lora_name(k), tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)
+                if base or lora.is_adapter(k)]  # fmt: skip
+
+    def lora_weights(self, model, tied, base: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: the adapters in full under peft's saved names (what engines serving the adapter load), and
+        with `base` the frozen base weights (unmerged) under the HF names, in `lora_metas` order."""
+        return ((_lora_name(k), full_tensor(v)) for k, v in sharded_named_params(model, tied)
+                if base or lora.is_adapter(k))  # fmt: skip
 
     def _adapters(self, model: nn.Module) -> bool:
         return self.tc.lora is not None and any(lora.is_adapter(k) for k, _ in model.named_parameters())
