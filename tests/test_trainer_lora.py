@@ -83,6 +83,15 @@ def test_lora_trains_the_adapters_only_and_hands_out_the_merged_model(one_rank_g
     for f in sorted((tmp_path / "hf").glob("*.safetensors")):
         exported.update(load_file(str(f)))
     assert all(torch.equal(exported[k], moved[k]) for k in moved)  # the export is the merged model
+    # without merging: a peft adapter dir (peft itself loads it onto the exported base) and the base beside it
+    export_hf(tmp_path / "ckpt", tmp_path / "adapter", merged=False)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "adapter" / "base", dtype=torch.float32)
+    assert all(torch.equal(base.state_dict()[k], plain_weights[k]) for k in plain_weights)  # the base never moved
+    peft_model = PeftModel.from_pretrained(base, str(tmp_path / "adapter")).merge_and_unload()
+    assert all(torch.allclose(peft_model.state_dict()[k], moved[k], atol=1e-6) for k in moved)
     version = rank.version
     _close(rank)
 

@@ -14,7 +14,6 @@ bring a new base (the run's first, or a restarted engine's), reloaded in place f
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -34,6 +33,7 @@ from agentrl.rollout.base import (
     finish_reason,
 )
 from agentrl.rollout.turn_mailbox import TurnMailbox
+from agentrl.weightsync.adapters import base_of, is_adapter_tensor
 
 
 def _prompt_form() -> Any:
@@ -209,12 +209,10 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         if isinstance(source, dict):
             if source.get("adapters") is not None:
                 adapter = self._adapter_dir()
-                reloaded = any(not meta[0].startswith("base_model.model.") for meta in source["metas"])
+                reloaded = any(not is_adapter_tensor(meta[0]) for meta in source["metas"])
             await self._receive_weights(source, adapter)
-        elif os.path.exists(os.path.join(source, "adapter_config.json")):
-            adapter, reloaded = source, False
-            with open(os.path.join(source, "adapter_config.json")) as f:
-                base = json.load(f).get("agentrl_base") or self.model_path
+        elif (base := base_of(source)) is not None:
+            adapter, reloaded, base = source, False, base or self.model_path
             if base != self._base:
                 await self._llm.collective_rpc("reload_from_path", kwargs={"weights_path": base})
                 self._base, reloaded = base, True

@@ -17,16 +17,13 @@ names: the worker writes them as a peft adapter dir (its local rank 0, on the en
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Iterator
 
 import torch
 
+from agentrl.weightsync.adapters import is_adapter_tensor, write_adapter
 from agentrl.weightsync.buckets import GroupCache, SyncGroup, TensorMeta
 from agentrl.weightsync.receive import receive_state_dict
-
-PEFT_PREFIX = "base_model.model."  # adapter tensors' names (agentrl.trainer.lora.peft_name)
 
 
 class AgentrlWorkerExtension:
@@ -75,7 +72,7 @@ class AgentrlWorkerExtension:
             tensors: dict[str, torch.Tensor] = {}
             if adapters is not None:
                 received = _set_aside_adapters(received, tensors)
-            if adapters is None or any(not m.name.startswith(PEFT_PREFIX) for m in wanted):
+            if adapters is None or any(not is_adapter_tensor(m.name) for m in wanted):
                 # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
                 # the layers and dropped their weight loaders; its in-place reload restores them around the load
                 self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
@@ -86,24 +83,14 @@ class AgentrlWorkerExtension:
             self._agentrl_groups.fail()
             raise
         if adapters is not None and int(getattr(self, "local_rank", getattr(self, "rank", 0))) == 0:
-            _write_adapter(adapter_dir, tensors, adapters)
+            write_adapter(adapter_dir, tensors, adapters)
         return len(wanted)
 
 
 def _set_aside_adapters(received: Iterator, into: dict) -> Iterator:
     for name, tensor in received:
-        if name.startswith(PEFT_PREFIX):
+        if is_adapter_tensor(name):
             into[name] = tensor
         else:
             yield name, tensor
 
-
-def _write_adapter(path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
-    """A peft adapter dir, as vLLM's add_lora reads one."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()},
-              os.path.join(path, "adapter_model.safetensors"))  # fmt: skip
-    with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump(config, f)

@@ -70,9 +70,11 @@ def set_rng_state(state: dict[str, torch.Tensor] | torch.Tensor, device_module: 
         device_module.set_rng_state(state[device.type], device)
 
 
-def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
+def export_hf(ckpt_dir: str | Path, out_dir: str | Path, merged: bool = True) -> str:
     """Rebuild a transformers-loadable model dir from a trainer checkpoint of either backend, in one process
-    (no process group, no GPU)."""
+    (no process group, no GPU). A LoRA checkpoint's adapters are merged into the weights, unless `merged` is
+    False: then `out_dir` is a peft adapter dir and `out_dir/base` the HF model dir of the base it was trained on
+    (the warm start's, when it fine-tuned every weight)."""
     ckpt = Path(ckpt_dir)
     hf = ckpt / "hf"
     if not (ckpt / "meta.json").exists() or not (hf / "config.json").exists():
@@ -83,34 +85,37 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path) -> str:
 
         export_megatron(str(ckpt), str(out_dir), hf_path=str(hf))
         return str(out_dir)
-    return _export_dcp(ckpt, out_dir, meta.get("lora"))
+    return _export_dcp(ckpt, Path(out_dir), meta.get("lora"), merged)
 
 
-def _export_dcp(ckpt: Path, out_dir: str | Path, adapters: dict | None = None) -> str:
+def _export_dcp(ckpt: Path, out_dir: Path, adapters: dict | None = None, merged: bool = True) -> str:
     """The FSDP2 backend's checkpoint (DCP shards, the policy under 'model') as an HF model dir; a LoRA run's
-    (`adapters`: its trainer.lora) with the adapters merged into the weights."""
+    (`adapters`: its trainer.lora) merged, or as an adapter dir beside its base (`export_hf`)."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from agentrl.config.schema import LoraConfig
     from agentrl.trainer import lora
+    from agentrl.weightsync.adapters import write_adapter
 
     hf = ckpt / "hf"
     config = AutoConfig.from_pretrained(hf)
     # Built on CPU, not on the meta device: rotary inv_freq buffers are not in the state dict.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    saved = model
-    if adapters is not None:  # the checkpoint's names are those of the model with adapters
-        saved = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        lora.add_adapters(saved, LoraConfig(**adapters))
-    state = {"model": saved.state_dict()}
+    cfg = LoraConfig(**adapters) if adapters is not None else None
+    if cfg is not None:  # the checkpoint's names are those of the model with adapters
+        lora.add_adapters(model, cfg)
+    state = {"model": model.state_dict()}
     if config.tie_word_embeddings:
         state["model"].pop("lm_head.weight", None)
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
-    if adapters is not None:
-        state["model"] = dict(lora.merged(state["model"].items(), lora.scaling(LoraConfig(**adapters))))
-    model.load_state_dict(state["model"], strict=False)
-    model.tie_weights()
-    model.save_pretrained(out_dir, safe_serialization=True)
+    weights = state["model"]
+    if cfg is not None and not merged:
+        write_adapter(out_dir, {lora.peft_name(k): v for k, v in weights.items() if lora.is_adapter(k)},
+                      lora.adapter_config(cfg, "base"))  # fmt: skip
+        out_dir, weights = out_dir / "base", {lora.hf_name(k): v for k, v in weights.items() if not lora.is_adapter(k)}
+    elif cfg is not None:
+        weights = dict(lora.merged(weights.items(), lora.scaling(cfg)))
+    write_safetensors({k: v.contiguous() for k, v in weights.items()}, out_dir)
     copy_hf_side_files(hf, out_dir)
-    return str(out_dir)
+    return str(out_dir.parent if cfg is not None and not merged else out_dir)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from agentrl.config.schema import LoraConfig
+from agentrl.weightsync import adapters
+from agentrl.weightsync.adapters import PEFT_PREFIX
 
 BASE = ".base_layer."
 ADAPTER = "default"
@@ -36,23 +38,13 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> None:
                          f"({err})") from None  # fmt: skip
 
 
-PEFT_PREFIX = "base_model.model."  # the names in a saved peft adapter (what vLLM loads)
-
-
 def peft_name(name: str) -> str:
     """An adapter's name as peft saves it: `base_model.model.<module>.lora_A.weight`."""
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
 
 
 def adapter_config(cfg: LoraConfig, base: str | None = None) -> dict:
-    """adapter_config.json of a saved adapter, as peft writes it (what vLLM's PEFTHelper reads). `agentrl_base`:
-    the HF model dir of the base it was trained on (None: the model the engines started from)."""
-    return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout, "target_modules": sorted(cfg.target_modules), "bias": "none",
-        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "modules_to_save": None,
-        "base_model_name_or_path": base, "agentrl_base": base,
-    }  # fmt: skip
+    return adapters.adapter_config(cfg.rank, cfg.alpha, list(cfg.target_modules), base)
 
 
 def is_adapter(name: str) -> bool:

@@ -8,7 +8,6 @@ A mixin of `TrainerRank` (the Ray actor), kept apart from the training steps; it
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -18,13 +17,13 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from agentrl.config.schema import Config
 from agentrl.trainer import lora
 from agentrl.trainer.backends import ModelBackend
 from agentrl.trainer.checkpoint import copy_hf_side_files, write_safetensors
 from agentrl.weightsync import send
+from agentrl.weightsync.adapters import write_adapter
 from agentrl.weightsync.buckets import GroupCache, PackBuffer, SyncError, SyncGroup, free_port
 
 Part = Literal["model", "base", "adapters", "base+adapters"]
@@ -54,10 +53,7 @@ class WeightPublisher:
                 state[name] = (t.to(cast) if t.is_floating_point() else t).detach().to("cpu").contiguous()
         if self.rank == 0:
             if part == "adapters":
-                os.makedirs(out_dir, exist_ok=True)
-                save_file(state, os.path.join(out_dir, "adapter_model.safetensors"))
-                with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-                    json.dump(lora.adapter_config(self.cfg.trainer.lora, base or None), f)
+                write_adapter(out_dir, state, lora.adapter_config(self.cfg.trainer.lora, base or None))
             else:
                 write_safetensors(state, out_dir)
                 if not os.path.exists(os.path.join(out_dir, "config.json")):
@@ -70,14 +66,12 @@ class WeightPublisher:
     def _weights(self, part: Part) -> Iterator[tuple[str, torch.Tensor]]:
         if part == "model":
             return self.backend.full_weights(self.model, self.tied)
-        weights = self.backend.lora_weights(self.model, self.tied, base=part != "adapters")
-        return ((k, v) for k, v in weights if part != "base" or not k.startswith(lora.PEFT_PREFIX))
+        return self.backend.lora_weights(self.model, self.tied, "base" in part, "adapters" in part)
 
     def _metas(self, part: Part) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         if part == "model":
             return self.backend.weight_metas(self.model, self.tied)
-        metas = self.backend.lora_metas(self.model, self.tied, base=part != "adapters")
-        return [m for m in metas if part != "base" or not m[0].startswith(lora.PEFT_PREFIX)]
+        return self.backend.lora_metas(self.model, self.tied, "base" in part, "adapters" in part)
 
     def write_sentinel(self, path: str, dtype: str) -> None:
         """Rank 0 writes a file the engines must then read (is the weights dir shared with them?) and checks the

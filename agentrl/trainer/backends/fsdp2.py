@@ -144,16 +144,16 @@ class FSDP2Backend(ModelBackend):
         full = ((k, full_tensor(v)) for k, v in sharded_named_params(model, tied))
         return lora.merged(full, lora.scaling(self.tc.lora)) if self._adapters(model) else full
 
-    def lora_metas(self, model, tied, base: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    def lora_metas(self, model, tied, base: bool, adapters: bool) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """`lora_weights`' names, shapes and dtypes, without communication."""
         return [(_lora_name(k), tuple(v.shape), v.dtype) for k, v in sharded_named_params(model, tied)
-                if base or lora.is_adapter(k)]  # fmt: skip
+                if (adapters if lora.is_adapter(k) else base)]  # fmt: skip
 
-    def lora_weights(self, model, tied, base: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective: the adapters in full under peft's saved names (what engines serving the adapter load), and
-        with `base` the frozen base weights (unmerged) under the HF names, in `lora_metas` order."""
+    def lora_weights(self, model, tied, base: bool, adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: with `adapters` the adapters in full under peft's saved names (what engines serving them
+        load), with `base` the frozen base weights (unmerged) under the HF names, in `lora_metas` order."""
         return ((_lora_name(k), full_tensor(v)) for k, v in sharded_named_params(model, tied)
-                if base or lora.is_adapter(k))  # fmt: skip
+                if (adapters if lora.is_adapter(k) else base))  # fmt: skip
 
     def _adapters(self, model: nn.Module) -> bool:
         return self.tc.lora is not None and any(lora.is_adapter(k) for k, _ in model.named_parameters())
