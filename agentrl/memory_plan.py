@@ -377,18 +377,21 @@ def _fsdp2_states(cfg: Config, d: ModelDims, a: int, precision: str, accelerator
     offload = tc.cpu_offload and accelerator
     where = " (in host memory: cpu_offload)" if offload else ""
     states = 0.0 if offload else 1.0
-    # with LoRA only the adapters (L params) have gradients and optimizer state; the base is frozen
-    L = d.lora_params(tc.lora.rank, tc.lora.target_modules) if tc.lora else 0
-    trained, total = (L, P + L) if tc.lora else (P, P)
-    of = f", the {count(L)} LoRA adapter params" if tc.lora else ""
-    grads = "" if tc.lora else " + their fp32 grads before reduce-scatter"
+    # with LoRA only the adapters (L params) have gradients and optimizer state; the base is frozen, except in a
+    # full warm start (trainer.lora.warm_start), which fine-tunes the plain model first: its peak is full FT's
+    full_sft = tc.lora is not None and tc.sft.enabled and tc.lora.warm_start == "full"
+    lora = tc.lora is not None and not full_sft
+    L = d.lora_params(tc.lora.rank, tc.lora.target_modules) if lora else 0
+    trained, total = (L, P + L) if lora else (P, P)
+    of = f", the {count(L)} LoRA adapter params" if lora else " (the full warm start's)" if full_sft else ""
+    grads = "" if lora else " + their fp32 grads before reduce-scatter"
     comps = [
         Component("weights", states * 4 * total / ranks, f"fp32 master, {count(total)} params / {ranks} ranks{where}"),
         Component("gradients", states * 4 * trained / ranks, f"fp32, sharded{where}{of}"),
         Component("optimizer", states * 8 * trained / ranks, f"AdamW m + v fp32, sharded{where}{of}"),
         Component(
             "gathered params",
-            (d.root_params + 2 * d.layer_params) * (a + (0 if tc.lora else 4)),
+            (d.root_params + 2 * d.layer_params) * (a + (0 if lora else 4)),
             f"root + 2 layers unsharded ({precision}){grads}",
         ),
     ]

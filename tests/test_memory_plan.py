@@ -130,6 +130,11 @@ def test_components_follow_the_settings() -> None:
     assert dims.lora_params(16, adapters.trainer.lora.target_modules) == 8_798_208
     assert total("optimizer", adapters) == pytest.approx(total("optimizer", cfg) * 8_798_208 / dims.params)
     assert total("gradients", adapters) < total("gradients", cfg) / 50
+    warm = adapters.model_copy(deep=True)  # a full warm start fine-tunes every weight first: full FT's peak
+    warm.trainer.sft.enabled = True
+    assert total("optimizer", warm) == total("optimizer", cfg)
+    warm.trainer.lora.warm_start = "adapters"
+    assert total("optimizer", warm) == total("optimizer", adapters)
     delta = cfg.model_copy(deep=True)
     delta.rollout.weight_sync_delta = True
     for accelerator, copies in ((False, 1), (True, 0)):  # on a device the copy is in host memory: not planned

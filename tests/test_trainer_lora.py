@@ -138,6 +138,13 @@ def test_full_warm_start_fine_tunes_every_weight_then_the_adapters_start_on_its_
 def test_lora_config_errors_are_one_line() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.lora needs trainer\.backend: fsdp2"):
         load_config(None, ["trainer.lora.rank=8", "trainer.backend=megatron"])
+    with pytest.raises(ConfigError, match=r"sync: adapter needs rollout\.backend: vllm \(sglang"):
+        load_config(None, ["trainer.lora.rank=8", "rollout.backend=sglang"])
+    with pytest.raises(ConfigError, match=r"rank 4: vLLM serves adapters of rank 1, 8, 16"):
+        load_config(None, ["trainer.lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"weight_sync_delta with trainer\.lora\.sync: adapter"):
+        load_config(None, ["trainer.lora.rank=8", "rollout.weight_sync_delta=true"])
+    assert load_config(None, ["trainer.lora.rank=4", "trainer.lora.sync=merged", "rollout.backend=sglang"])
     with pytest.raises(ValueError, match="matched no linear layer"):
         lora.add_adapters(torch.nn.Sequential(torch.nn.Linear(2, 2)), load_config(
             None, ["trainer.lora.target_modules=[nope]"]).trainer.lora)  # fmt: skip
