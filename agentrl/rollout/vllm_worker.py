@@ -93,4 +93,3 @@ def _set_aside_adapters(received: Iterator, into: dict) -> Iterator:
             into[name] = tensor
         else:
             yield name, tensor
-
