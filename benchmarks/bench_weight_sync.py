@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -148,7 +149,7 @@ async def _collective_parts(sync: Any, trainer: Any, router: Any, version: int) 
     dtype = plan["dtype"] or "float32"
     members = await router.hold.remote(plan["members"], sync.drain)
     assert members == sync._members, "the engine set changed: the probe would need a new group"
-    source = {"group": asdict(sync._group), "metas": sync._metas, "bucket_bytes": DEFAULT_BUCKET_BYTES}
+    source = {"group": asdict(sync._group), "metas": sync._metas["model"], "bucket_bytes": DEFAULT_BUCKET_BYTES}
     t1 = time.perf_counter()
     done: dict[str, float] = {}
 
@@ -257,6 +258,77 @@ async def measure(model: str, path: str, syncs: int, copies: int) -> dict[str, A
             with contextlib.suppress(Exception):
                 ray.kill(handle)
     return out
+
+
+LORA_WAYS = (("collective", "merged"), ("collective", "adapter"), ("disk", "adapter"))
+
+
+async def measure_lora(model: str, path: str, syncs: int, rank: int) -> dict[str, Any]:
+    """trainer.lora at `rank`, one LoRA-serving vLLM-CPU engine: seconds and bytes per `WeightSync.sync` for the
+    merged weights (collective) and the adapters alone (collective; disk), medians after the first sync (which
+    for adapters also brings the base)."""
+    from agentrl.config import load_config
+    from agentrl.platform import CPU
+    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.run.weights import WeightSync
+    from agentrl.trainer import TrainerGroup
+
+    def cfg(mode: str, how: str):
+        return load_config(None, ["rollout.num_engines=1", "trainer.num_ranks=1", f"trainer.lora.rank={rank}",
+                                  f"trainer.lora.sync={how}", f"rollout.weight_sync={mode}",
+                                  f"name=bench-lora-{model}-{mode}-{how}"])  # fmt: skip
+
+    base_cfg = cfg("collective", "adapter")
+    engines = start_engines(base_cfg.rollout, path, lora=base_cfg.trainer.lora)
+    router = start_router(engines, base_cfg.rollout)
+    trainer = TrainerGroup(base_cfg, path)
+    out: dict[str, Any] = {"rank": rank}
+    version = 0
+    try:
+        for mode, how in LORA_WAYS:  # merged first: an adapter sync leaves the engine serving an adapter
+            sync = WeightSync(cfg(mode, how), trainer, router, CPU)
+            try:
+                sync.check(engines)
+                times, sent = [], []
+                for _ in range(syncs + 1):
+                    version += 1
+                    t = time.perf_counter()
+                    n = await sync.sync(version)
+                    times.append(time.perf_counter() - t)
+                    if n is None:  # disk: the bytes of the files this sync wrote (the first one: the base too)
+                        dirs = [sync.root / f"v{version}", *([Path(sync._base)] if len(sent) == 0 else [])]
+                        n = sum(f.stat().st_size for d in dirs for f in d.iterdir())
+                    sent.append(n)
+                out[f"{mode}_{how}"] = {
+                    "first_s": times[0],
+                    "first_bytes": sent[0],
+                    "sync_s": statistics.median(times[1:]),
+                    "bytes": statistics.median(sent[1:]),
+                }
+            finally:
+                sync.close()
+        merged = out["collective_merged"]
+        for way in ("collective_adapter", "disk_adapter"):
+            out[f"{way}_vs_merged"] = {"seconds": out[way]["sync_s"] / merged["sync_s"],
+                                       "bytes": out[way]["bytes"] / merged["bytes"]}  # fmt: skip
+    finally:
+        trainer.shutdown()
+        for handle in [*engines, router]:
+            with contextlib.suppress(Exception):
+                ray.kill(handle)
+    return out
+
+
+def lora_bytes_at_half_a_billion(rank: int) -> dict[str, Any]:
+    """Bytes per sync for Qwen2.5-0.5B's shapes in bf16 (counted, not timed): merged weights vs rank-`rank`
+    adapters on every linear of each layer (agentrl's default target_modules)."""
+    from agentrl.memory_plan import ModelDims
+
+    dims = ModelDims("Qwen2.5-0.5B", hidden=896, layers=24, vocab=151_936, intermediate=4864, heads=14, kv_heads=2,
+                     head_dim=64, tied=True, qkv_bias=True)  # fmt: skip
+    adapters = dims.lora_params(rank, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    return {"params": dims.params, "adapter_params": adapters, "merged_bytes": 2 * dims.params,
+            "adapter_bytes": 2 * adapters, "bytes_ratio": adapters / dims.params}  # fmt: skip
 
 
 def _rounded(x: Any) -> Any:
@@ -458,9 +530,11 @@ def main() -> None:
     ap.add_argument("--syncs", type=int, default=5, help="timed syncs per path (after one warm-up)")
     ap.add_argument("--copies", type=int, default=5, help="timed in-memory copies")
     ap.add_argument(
-        "--cases", nargs="+", choices=("engine", "delta"), default=["engine", "delta"],
-        help="engine: disk vs collective syncs into a vLLM engine; delta: full vs delta buckets",
+        "--cases", nargs="+", choices=("engine", "delta", "lora"), default=["engine", "delta", "lora"],
+        help="engine: disk vs collective syncs into a vLLM engine; delta: full vs delta buckets; lora: merged "
+        "weights vs adapters alone into a LoRA-serving vLLM engine",
     )  # fmt: skip
+    ap.add_argument("--lora-rank", type=int, default=16, help="trainer.lora.rank of the lora cases")
     ap.add_argument("--delta-steps", type=int, default=3, help="training steps (and timed syncs) per delta case")
     ap.add_argument(
         "--lrs", type=float, nargs="+", default=[1e-4, 1e-6],
@@ -481,6 +555,12 @@ def main() -> None:
             print(f"{model}: {json.dumps(_rounded(result[model]))}", file=sys.stderr, flush=True)
         if "delta" in args.cases:
             result["delta"] = measure_delta(args.delta_steps, args.lrs, not args.no_big)
+        for model in args.models if "lora" in args.cases else ():
+            path = model_path(model, tmp)
+            result[f"lora_{model}"] = asyncio.run(measure_lora(model, path, args.syncs, args.lora_rank))
+            print(f"lora {model}: {json.dumps(_rounded(result[f'lora_{model}']))}", file=sys.stderr, flush=True)
+        if "lora" in args.cases:
+            result["lora_qwen0.5b_bytes"] = lora_bytes_at_half_a_billion(args.lora_rank)
     finally:
         ray.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
