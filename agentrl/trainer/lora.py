@@ -36,6 +36,12 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> None:
     except ValueError as err:  # peft's "Target modules {...} not found in the base model"
         raise ValueError(f"trainer.lora.target_modules {cfg.target_modules} matched no linear layer of the model "
                          f"({err})") from None  # fmt: skip
+    model._agentrl_lora = True  # FSDP2 wraps the module in place: the mark stays
+
+
+def has_adapters(model: nn.Module) -> bool:
+    """Whether `add_adapters` went into `model` (a policy built with trainer.lora; its full warm start's is plain)."""
+    return bool(getattr(model, "_agentrl_lora", False))
 
 
 def peft_name(name: str) -> str:

@@ -156,7 +156,7 @@ class FSDP2Backend(ModelBackend):
                 if (adapters if lora.is_adapter(k) else base))  # fmt: skip
 
     def _adapters(self, model: nn.Module) -> bool:
-        return self.tc.lora is not None and any(lora.is_adapter(k) for k, _ in model.named_parameters())
+        return lora.has_adapters(model)
 
     def save_checkpoint(self, ckpt_dir, models, optimizers, extra) -> None:
         """DCP shards of every model and optimizer; schedules and `extra` in `extra_rank{R}.pt`."""
