@@ -39,7 +39,7 @@ from agentrl.trainer.batching import (
 )
 from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state
 from agentrl.trainer.collectives import RankSums, check_device, compute_tensors, gather_dicts, host_all_reduce
-from agentrl.trainer.loss_terms import RL_SUMS, SFT_SUMS
+from agentrl.trainer.loss_terms import RL_SUMS
 from agentrl.trainer.model import uses_flash_attention
 from agentrl.trainer.rl_batch import (
     RLBatch,
@@ -49,12 +49,13 @@ from agentrl.trainer.rl_batch import (
     shaped_advantages,
     step_summary,
 )
+from agentrl.trainer.warm_start import WarmStartSteps
 from agentrl.trainer.weight_publish import WeightPublisher
 from agentrl.types import REPORTED_ADVANTAGES, Sample
 from agentrl.weightsync.buckets import GroupCache, PackBuffer
 
 
-class TrainerRank(WeightPublisher):
+class TrainerRank(WarmStartSteps, WeightPublisher):
     @staticmethod
     def rendezvous_address() -> tuple[str, int]:
         """This node's IP and a free port: rank 0 hosts the process group's TCP store (multi-node safe)."""
@@ -320,39 +321,6 @@ class TrainerRank(WeightPublisher):
     def _rl_loss(self, batch: dict, logp: torch.Tensor, ent: torch.Tensor | None, denom: float):
         return loss_terms.rl_loss(self.alg, self.device, batch, logp, ent, denom)
 
-    def sft_step(self, samples: list[Sample]) -> dict[str, float]:
-        """Cross-entropy on loss-mask tokens, token-mean over the batch; its own AdamW at trainer.sft.lr.
-        A warm start, not an RL batch: it leaves the policy version alone."""
-        t0 = time.perf_counter()
-        if self.sft_opt is None:
-            if self._full_warm_start():  # fine-tune the plain model; end_warm_start puts the adapters back
-                del self.model, self.opt
-                self.model = self.backend.build_policy(self.model_path, adapters=False)
-            self.sft_opt = self._sft_optimizer()
-        mbs = self._plan(samples, shared=self._shares_prompts(grad=True))
-        fields = {"loss_mask": {i: s.loss_mask for i, s in enumerate(samples)}}
-        denom = float(sum(sum(s.loss_mask[1:]) for s in samples))
-        self.model.train()
-        self.sft_opt.zero_grad()
-        sums = RankSums(SFT_SUMS, self.backend.dp_group)
-        batches = self._micro_batches(samples, mbs, fields)
-        for row in self.backend.forward_backward(self.model, batches, partial(loss_terms.sft_loss, denom=denom)):
-            sums.add(row)
-        lr = self.sft_opt.lr
-        norm = self.sft_opt.step()
-        self.optimizer_steps += 1
-        m = sums.all_reduce()
-        elapsed = time.perf_counter() - t0
-        n_tokens = sum(len(s.token_ids) for s in samples)
-        return {
-            "sft/loss": m["loss"],
-            "sft/token_acc": m["correct"] / max(denom, 1.0),
-            "sft/grad_norm": norm,
-            "sft/lr": lr,
-            "timing/sft_step": elapsed,
-            "sft/tokens_per_s": n_tokens / elapsed,
-        }
-
     def compute_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
         """This rank's share of the batch's log-probs under the current weights, of the distribution the engines
         sample from (merged by the driver)."""
@@ -360,29 +328,6 @@ class TrainerRank(WeightPublisher):
         return self._logprob_pass(self.model, samples, self._plan(samples), every_token=True)
 
     # ---- weights and state ---------------------------------------------------------------------------------
-
-    def _full_warm_start(self) -> bool:
-        return self.tc.lora is not None and self.tc.lora.warm_start == "full"
-
-    def end_warm_start(self, path: str) -> bool:
-        """Collective, after the last sft_step. With trainer.lora and a full warm start: the fine-tuned weights
-        are saved at `path` (as `save_warm_start`) and become the base of a policy with fresh adapters (B = 0, so
-        it computes what the warm start left) and a fresh RL optimizer. Otherwise only saves them. Returns whether
-        this call wrote `path` (rank 0)."""
-        saved = self.save_warm_start(path)
-        if self._full_warm_start() and self.sft_opt is not None:
-            del self.model  # and sft_step dropped the RL optimizer of the policy it replaced
-            self.sft_opt = None  # its state is the plain model's: the RL run goes on with the adapters only
-            self.model = self.backend.build_policy(path, adapters=True)
-            steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
-            self.opt = self.backend.optimizer(self.model, steps)
-        return saved
-
-    def _sft_optimizer(self) -> TrainOptimizer:
-        """AdamW at trainer.sft.lr, constant: the warm start keeps trainer.optim's betas, eps, decay and clipping,
-        not the RL run's warmup and schedule (which count RL steps)."""
-        sft = self.tc.optim.model_copy(update={"lr": self.tc.sft.lr, "schedule": "constant", "warmup_steps": 0})
-        return self.backend.optimizer(self.model, max(self.tc.sft.steps, 1), sft)
 
     def _optimizers(self) -> dict[str, TrainOptimizer]:
         opts = {"optim": self.opt}
