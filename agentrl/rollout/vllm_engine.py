@@ -84,7 +84,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         self._as_input: Any = None  # token ids -> what AsyncLLM.generate takes (set at start, by vLLM version)
         self._adapter: Any = None  # the LoRARequest every request runs with (None: the base alone)
         self._adapters_added = 0  # adapter ids are never reused: vLLM caches an adapter by its id
-        self._base = model_path  # the base weights' dir (an adapter dir names the one it goes with)
+        self._base = model_path  # the dir of the base weights held ("" after a broadcast): adapter dirs name theirs
         self._adapter_root = ""  # where this engine's received adapters are written
 
     def _derived_args(self, cfg: RolloutConfig, model_path: str, seed: int, eager: bool) -> dict[str, Any]:
@@ -211,6 +211,8 @@ class VLLMEngine(TurnMailbox, GatedEngine):
                 adapter = self._adapter_dir()
                 reloaded = any(not is_adapter_tensor(meta[0]) for meta in source["metas"])
             await self._receive_weights(source, adapter)
+            if reloaded:
+                self._base = ""  # weights from a broadcast: no dir holds them, so a disk adapter's base reloads
         elif (base := base_of(source)) is not None:
             adapter, reloaded, base = source, False, base or self.model_path
             if base != self._base:
