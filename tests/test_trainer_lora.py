@@ -132,7 +132,29 @@ def test_full_warm_start_fine_tunes_every_weight_then_the_adapters_start_on_its_
     params = dict(rank.model.named_parameters())
     assert all(torch.equal(_local(params[k]), v) for k, v in base.items()), "the base moved in RL"
     assert any(_local(params[k]).abs().sum() > 0 for k in trainable if "lora_B" in k)  # the adapters learn
+    trained = dict(rank.backend.full_weights(rank.model, rank.tied))
+    rank.save_checkpoint(str(tmp_path / "ckpt"))
     _close(rank)
+
+    # the checkpoint holds the adapters (and their optimizer state), not the base: it names the base's dir
+    shards = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.distcp"))
+    base_bytes = sum(f.stat().st_size for f in (tmp_path / "base").glob("*.safetensors"))
+    assert shards < base_bytes / 2, (shards, base_bytes)
+    resumed = _rank(tiny_model_path, "trainer.lora.rank=8", "trainer.sft.lr=1e-3")  # built on the original model
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))  # rebuilt on the warm start's base, then the adapters
+    again = dict(resumed.backend.full_weights(resumed.model, resumed.tied))
+    assert all(torch.equal(again[k], trained[k]) for k in trained)
+    _close(resumed)
+    export_hf(tmp_path / "ckpt", tmp_path / "merged")
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    assert all(torch.equal(exported[k], trained[k]) for k in trained)
+    import shutil
+
+    shutil.rmtree(tmp_path / "base")
+    with pytest.raises(FileNotFoundError, match=r"LoRA adapters whose base .*/base is gone"):
+        export_hf(tmp_path / "ckpt", tmp_path / "merged-again")
 
 
 def test_lora_config_errors_are_one_line() -> None:

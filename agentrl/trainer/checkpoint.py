@@ -85,12 +85,15 @@ def export_hf(ckpt_dir: str | Path, out_dir: str | Path, merged: bool = True) ->
 
         export_megatron(str(ckpt), str(out_dir), hf_path=str(hf))
         return str(out_dir)
-    return _export_dcp(ckpt, Path(out_dir), meta.get("lora"), merged)
+    return _export_dcp(ckpt, Path(out_dir), meta.get("lora"), merged, meta.get("lora_base"))
 
 
-def _export_dcp(ckpt: Path, out_dir: Path, adapters: dict | None = None, merged: bool = True) -> str:
+def _export_dcp(
+    ckpt: Path, out_dir: Path, adapters: dict | None = None, merged: bool = True, base_dir: str | None = None
+) -> str:
     """The FSDP2 backend's checkpoint (DCP shards, the policy under 'model') as an HF model dir; a LoRA run's
-    (`adapters`: its trainer.lora) merged, or as an adapter dir beside its base (`export_hf`)."""
+    (`adapters`: its trainer.lora) merged, or as an adapter dir beside its base (`export_hf`). A LoRA checkpoint
+    holds the adapters alone: the base comes from `base_dir`, the HF model dir the run's base was built from."""
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -105,10 +108,20 @@ def _export_dcp(ckpt: Path, out_dir: Path, adapters: dict | None = None, merged:
     cfg = LoraConfig(**adapters) if adapters is not None else None
     if cfg is not None:  # the checkpoint's names are those of the model with adapters
         lora.add_adapters(model, cfg)
-    state = {"model": model.state_dict()}
+    weights = model.state_dict()
     if config.tie_word_embeddings:
-        state["model"].pop("lm_head.weight", None)
+        weights.pop("lm_head.weight", None)
+    state = {"model": {k: v for k, v in weights.items() if base_dir is None or lora.is_adapter(k)}}
     dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    if base_dir is not None:  # the frozen base from the dir it came from
+        if not (Path(base_dir) / "config.json").exists():
+            raise FileNotFoundError(f"{ckpt} holds LoRA adapters whose base {base_dir} is gone (a full warm "
+                                    "start's weights): restore it to export")  # fmt: skip
+        from agentrl.trainer.sharding import read_checkpoint
+
+        names = [k for k in weights if not lora.is_adapter(k)]
+        base = read_checkpoint(base_dir, sorted({lora.hf_name(k) for k in names}), config.tie_word_embeddings)
+        state["model"] = {k: state["model"][k] if lora.is_adapter(k) else base[lora.hf_name(k)] for k in weights}
     weights = state["model"]
     if cfg is not None and not merged:
         write_adapter(out_dir, {lora.peft_name(k): v for k, v in weights.items() if lora.is_adapter(k)},

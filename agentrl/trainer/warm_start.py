@@ -9,6 +9,7 @@ result.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 from typing import Any
@@ -31,6 +32,8 @@ class WarmStartSteps:
     opt: TrainOptimizer
     sft_opt: TrainOptimizer | None
     model_path: str
+    base_path: str
+    rank: int
     optimizer_steps: int
 
     def sft_step(self, samples: list[Sample]) -> dict[str, float]:
@@ -76,12 +79,22 @@ class WarmStartSteps:
         this call wrote `path` (rank 0)."""
         saved = self.save_warm_start(path)
         if self._full_warm_start() and self.sft_opt is not None:
-            del self.model  # and sft_step dropped the RL optimizer of the policy it replaced
             self.sft_opt = None  # its state is the plain model's: the RL run goes on with the adapters only
-            self.model = self.backend.build_policy(path, adapters=True)
-            steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
-            self.opt = self.backend.optimizer(self.model, steps)
+            self._rebase(path)
         return saved
+
+    def _rebase(self, path: str) -> None:
+        """Collective: the policy rebuilt with fresh adapters on the HF model at `path`, and a fresh RL optimizer
+        (after a full warm start; or before a checkpoint's adapters load onto the base they were trained on)."""
+        if not os.path.exists(os.path.join(path, "config.json")) and self.rank == 0:
+            raise FileNotFoundError(f"the LoRA base {path} is gone (a full warm start's weights, which the "
+                                    "checkpoints of this run do not hold): restore it to resume or export")  # fmt: skip
+        del self.model
+        self.opt = None  # type: ignore[assignment]  # the old one holds the old policy's parameters
+        self.model = self.backend.build_policy(path, adapters=True)
+        steps = self.tc.total_steps * self.alg.ppo_epochs * self.alg.mini_batches
+        self.opt = self.backend.optimizer(self.model, steps)
+        self.base_path = os.path.abspath(path)
 
     def _sft_optimizer(self) -> TrainOptimizer:
         """AdamW at trainer.sft.lr, constant: the warm start keeps trainer.optim's betas, eps, decay and clipping,

@@ -104,6 +104,7 @@ class TrainerRank(WarmStartSteps, WeightPublisher):
         self.tied = bool(hf_config.tie_word_embeddings)
         self.backend: ModelBackend = create_backend(self.tc.backend, self.cfg, model_path, self.device, plat)
         self.model = self.backend.build("policy")  # precision, checkpointing, offload: trainer config
+        self.base_path = os.path.abspath(model_path)  # the dir of the policy's base weights (LoRA: frozen in RL)
         self.ref = None
         if self.alg.kl_coef > 0:
             self.ref = self.backend.build("reference")  # eval mode, no grads, stored in the compute dtype
@@ -356,7 +357,8 @@ class TrainerRank(WarmStartSteps, WeightPublisher):
             copy_hf_side_files(self.model_path, os.path.join(ckpt_dir, "hf"))
             meta = {"version": self.version, "optimizer_steps": self.optimizer_steps, "world_size": self.world,
                     "backend": self.tc.backend, "optimizers": sorted(self._optimizers()),
-                    "lora": self.tc.lora.model_dump() if self.tc.lora else None}  # fmt: skip
+                    "lora": self.tc.lora.model_dump() if self.tc.lora else None,
+                    "lora_base": self.base_path if self.tc.lora else None}  # fmt: skip
             with open(os.path.join(ckpt_dir, "meta.json"), "w") as f:
                 json.dump(meta, f, indent=1)
         dist.barrier()
@@ -374,6 +376,8 @@ class TrainerRank(WarmStartSteps, WeightPublisher):
         lora = self.tc.lora.model_dump() if self.tc.lora else None
         if meta.get("lora") != lora:
             raise ValueError(f"{ckpt_dir} was saved with trainer.lora={meta.get('lora')}, this run has {lora}")
+        if lora is not None and meta.get("lora_base") and meta["lora_base"] != self.base_path:
+            self._rebase(meta["lora_base"])  # a full warm start's base: the checkpoint holds the adapters only
         saved = meta.get("optimizers", [])
         if "sft_optim" in saved and self.sft_opt is None:
             self.sft_opt = self._sft_optimizer()

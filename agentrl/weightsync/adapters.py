@@ -20,13 +20,12 @@ def is_adapter_tensor(name: str) -> bool:
 
 
 def adapter_config(rank: int, alpha: float, target_modules: list[str], base: str | None = None) -> dict:
-    """adapter_config.json as peft writes it for a plain LoRA; `agentrl_base` (and peft's own
-    base_model_name_or_path): the HF model dir of the base the adapter was trained on, None for the model the
-    engines started from."""
+    """adapter_config.json as peft writes it for a plain LoRA; `base` (peft's base_model_name_or_path): the HF
+    model dir of the base the adapter was trained on, None for the model the engines started from."""
     return {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
         "target_modules": sorted(target_modules), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": base, "agentrl_base": base,
+        "use_dora": False, "modules_to_save": None, "base_model_name_or_path": base,
     }  # fmt: skip
 
 
@@ -49,4 +48,4 @@ def base_of(adapter_dir: str) -> str | None:
     if not os.path.exists(path):
         return None
     with open(path) as f:
-        return json.load(f).get("agentrl_base") or ""
+        return json.load(f).get("base_model_name_or_path") or ""

@@ -171,12 +171,18 @@ class FSDP2Backend(ModelBackend):
         """Loads into `models` and `optimizers` (those the caller passes: the ones the checkpoint holds); returns
         this rank's `extra` (rank 0's when the world grew)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         state = self._state(models, optimizers)
         dcp.load(state, checkpoint_id=str(ckpt_dir))
         for name, model in models.items():
-            set_model_state_dict(model, state[_key(name)])
+            # a policy with adapters saved them alone: its base is the frozen one it was built from
+            strict = StateDictOptions(strict=not lora.has_adapters(model))
+            set_model_state_dict(model, state[_key(name)], options=strict)
         for name, opt in optimizers.items():
             set_optimizer_state_dict(opt.model, opt.optimizer, state[name])
         path = Path(ckpt_dir) / f"extra_rank{dist.get_rank()}.pt"
@@ -191,10 +197,16 @@ class FSDP2Backend(ModelBackend):
     @staticmethod
     def _state(models: dict[str, nn.Module], optimizers: dict[str, FSDP2Optimizer]) -> dict[str, Any]:
         """The DCP state: the policy under 'model' (the key `export_hf` reads), other models and optimizers
-        under their names."""
+        under their names. A policy with LoRA adapters keeps only them: its base never changes in RL, and the
+        checkpoint's meta.json names the dir it came from."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-        state: dict[str, Any] = {_key(n): get_model_state_dict(m) for n, m in models.items()}
+        state: dict[str, Any] = {}
+        for name, model in models.items():
+            weights = get_model_state_dict(model)
+            if lora.has_adapters(model):
+                weights = {k: v for k, v in weights.items() if lora.is_adapter(k)}
+            state[_key(name)] = weights
         for name, opt in optimizers.items():
             state[name] = get_optimizer_state_dict(opt.model, opt.optimizer)
         return state
