@@ -64,10 +64,12 @@ class EpisodeSpec:
     tool_sets: list[str] = field(default_factory=list)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     agent: str | None = None
+    seat: int | None = None  # self-play: the seat this episode plays; each seat is a group of its own
 
     @property
     def group_id(self) -> str:
-        return group_id_for(self.split, self.tag, self.seed)
+        base = group_id_for(self.split, self.tag, self.seed)
+        return base if self.seat is None else f"{base}/seat{self.seat}"
 
     @property
     def episode_id(self) -> str:

@@ -8,17 +8,22 @@ included. The opponent plays its turns inside `step`: `random` plays a random mo
 TextArena lists as available, where it lists them), or `module:function` takes `(observation, rng)` and returns a
 move. Metrics: success (a positive result), win / draw / loss, and invalid_move for the policy.
 
-Two-player self-play (both seats by the policy) is not here yet.
+Self-play (`envs.train.TAG.self_play`): both seats of a two-player game are played by the policy. Each game is two
+episodes, one per seat, that share one TextArena game through a `SelfPlayTable` (named by the `table` kwarg the
+env manager sets): a seat's `astep` plays its move, then waits on the event loop (no thread held) until the other
+seat has moved or the game is over; each seat's reward and metrics are its own.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import random
 import re
+import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from agentrl.envs.base import Move, TextEnv
 from agentrl.plugins import import_object
@@ -66,8 +71,12 @@ class TextArenaEnv(TextEnv):
         num_players: int = 2,
         observation: str = "full",
         max_steps: int = 30,
+        table: str | None = None,
+        wait_s: float = 600.0,
         **text_kwargs: Any,
     ) -> None:
+        """`table`: self-play, this seat of the game the episodes naming the same table share (the other seats
+        are played by their own episodes; `opponent` is unused); `wait_s` bounds the wait for them."""
         super().__init__(max_steps=max_steps, **text_kwargs)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             import textarena  # its games try nltk downloads on import: offline, their noise is not ours to print
@@ -78,9 +87,12 @@ class TextArenaEnv(TextEnv):
             raise ValueError(f"seat {seat} is not one of the {num_players} players")
         self.textarena, self.game, self.seat, self.num_players = textarena, game, seat, num_players
         self.full = observation == "full"
-        self.opponent = self._opponent(opponent)
+        self.opponent = self._opponent(opponent) if table is None else None
         self._result: dict[str, float] = {}
         self.env = self._make()  # at construction: a game that needs data from the network says so before any run
+        self.table = SelfPlayTable.join(table, num_players) if table is not None else None
+        self.wait_s = wait_s
+        self._abandoned = False  # self-play: the other seat's episode ended before the game did
 
     def _make(self) -> Any:
         """A fresh game; data it cannot fetch (nltk corpora, offline) is one line naming what to download."""
@@ -129,6 +141,9 @@ class TextArenaEnv(TextEnv):
 
     def _finish(self) -> bool:
         rewards, info = self.env.close()
+        return self._finish_with(rewards, info)
+
+    def _finish_with(self, rewards: dict | None, info: dict | None) -> bool:
         mine = float(rewards.get(self.seat, 0.0)) if rewards else 0.0
         invalid = bool((info or {}).get(self.seat, {}).get("invalid_move", False))
         self._result = {"reward": mine, "win": float(mine > 0), "draw": float(mine == 0), "loss": float(mine < 0),
@@ -161,6 +176,58 @@ class TextArenaEnv(TextEnv):
         metrics["action_is_effective"] = metrics["action_is_valid"]
         return self._observation(), reward, over, truncated, {"metrics": metrics, "task": {"game": self.game}}
 
+    # ---- self-play: the episode runner awaits these instead of reset / step when the env has them --------------
+    async def areset(self, *, seed: int | None = None) -> tuple[str, dict]:
+        if self.table is None:
+            return self.reset(seed=seed)
+        self.turns, self._result, self._shown, self._text = 0, {}, 0, ""
+        self.env = await self.table.start(self._make, seed or 0)
+        obs = await self._my_turn()
+        if self._abandoned:
+            raise RuntimeError(f"self-play table {self.table.name}: the other seat's episode ended first")
+        info: dict[str, Any] = {"seed": seed, "task": {"game": self.game, "seat": self.seat}}
+        if self._result:  # the game ended before this seat's first move (the other seat's invalid moves)
+            metrics = {k: v for k, v in self._result.items() if k != "reward"}
+            info.update(terminated=True, reward=self._result["reward"],
+                        metrics={**metrics, "success": self._result["win"]})  # fmt: skip
+        return obs, info
+
+    async def astep(self, action: str) -> tuple[str, float, bool, bool, dict]:
+        if self.table is None:
+            return self.step(action)
+        before = len(self._text)
+        self.table.play(self.seat, action)
+        self.turns += 1
+        obs = await self._my_turn()
+        over = bool(self._result)
+        truncated = not over and (self.turns >= self.max_steps or self._abandoned)
+        valid = not over and "invalid move" not in self._text[before:].lower()
+        metrics = {"success": float(self._result.get("win", 0.0)), "action_is_valid": float(valid)}
+        if over:
+            metrics.update({k: v for k, v in self._result.items() if k != "reward"})
+            metrics["action_is_valid"] = 1.0 - self._result["invalid_move"]
+        metrics["action_is_effective"] = metrics["action_is_valid"]
+        task = {"game": self.game, "seat": self.seat}
+        return obs, self._result.get("reward", 0.0), over, truncated, {"metrics": metrics, "task": task}
+
+    async def aclose(self) -> None:
+        """The episode ended (done, truncated or failed): the other seat stops waiting for this one."""
+        if self.table is not None:
+            self.table.leave(self.seat)
+
+    async def _my_turn(self) -> str:
+        """Wait until this seat is to move (its observation) or the game is over (its result)."""
+        outcome = await self.table.wait(self.seat, self.wait_s)
+        if outcome is None:
+            self._text = self.env.get_observation()[1]
+            return self._observation()
+        if outcome == "left":
+            self._abandoned = True
+            return "The other player left: the game ends without a result."
+        rewards, info = outcome
+        self._finish_with(rewards, info)
+        return self._observation()
+
     # the base class's hooks, unused: this env hands the text to the game itself
     def _canonical_action(self, text: str) -> str | None:
         return text
@@ -176,6 +243,76 @@ class TextArenaEnv(TextEnv):
 
     def random_action(self, rng: random.Random) -> str:
         return random_move(self.game, self._text, rng)
+
+
+class SelfPlayTable:
+    """One TextArena game shared by the episodes that play its seats (all on one env manager's event loop). The
+    first seat to arrive makes and resets the game; each move wakes the seats; the game's close is read once and
+    handed to every seat. A seat that leaves early (its episode failed or hit its turn limit) ends the others'."""
+
+    _open: ClassVar[dict[str, SelfPlayTable]] = {}
+    # envs are built on env threads; the game is played on the event loop
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, name: str, seats: int) -> None:
+        self.name, self.seats, self.present = name, seats, 0
+        self.game: Any = None
+        self.result: tuple[dict, dict] | None = None
+        self.left = False
+        self._moved: asyncio.Condition | None = None
+
+    @classmethod
+    def join(cls, name: str, seats: int) -> SelfPlayTable:
+        with cls._lock:
+            table = cls._open.setdefault(name, cls(name, seats))
+            table.present += 1
+            return table
+
+    async def start(self, make: Callable[[], Any], seed: int) -> Any:
+        if self._moved is None:
+            self._moved = asyncio.Condition()
+        if self.game is None:
+            self.game = make()
+            self.game.reset(num_players=self.seats, seed=seed)
+        return self.game
+
+    def play(self, seat: int, action: str) -> None:
+        player, _ = self.game.get_observation()
+        if player != seat or self.result is not None or self.left:
+            raise RuntimeError(f"seat {seat} moved out of turn at table {self.name}")
+        done, _ = self.game.step(action)
+        if done:
+            self.result = self.game.close()
+        self._wake()
+
+    def leave(self, seat: int) -> None:
+        with self._lock:
+            self.present -= 1
+            if self.present <= 0:
+                self._open.pop(self.name, None)
+        if self.result is None:
+            self.left = True
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._moved is not None:
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._moved:
+            self._moved.notify_all()
+
+    async def wait(self, seat: int, timeout_s: float) -> tuple[dict, dict] | str | None:
+        """None when `seat` is to move; the game's (rewards, info) when it is over; "left" when another seat left."""
+
+        def ready() -> bool:
+            return self.result is not None or self.left or self.game.get_observation()[0] == seat
+
+        async with self._moved:
+            await asyncio.wait_for(self._moved.wait_for(ready), timeout_s)
+        if self.result is not None:
+            return self.result
+        return "left" if self.left else None
 
 
 # game -> players. Wordle and Hangman need nltk corpora that TextArena downloads on first use: offline, building

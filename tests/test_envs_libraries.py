@@ -3,6 +3,7 @@ first use, scored by the library's own `score_answer`; a library that is not ins
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import subprocess
@@ -134,3 +135,39 @@ def test_skyrl_gym_envs_on_a_dataset_scored_by_the_library(tmp_path, env_name):
     assert report["ok"] and report["expert"]["success_rate"] == 1.0, report["violations"]
     with pytest.raises(ValueError, match="takes its tasks from a dataset"):
         agentrl.make_env(f"skyrl_gym/{env_name}")
+
+
+async def _seat(env, moves: list[str], seed: int) -> tuple[list, str]:
+    """A scripted player of one self-play seat: its moves in turn until its episode ends."""
+    obs, _ = await env.areset(seed=seed)
+    steps = []
+    for move in moves:
+        obs, reward, terminated, truncated, info = await env.astep(move)
+        steps.append((reward, terminated, truncated, info["metrics"]["action_is_valid"]))
+        if terminated or truncated:
+            break
+    await env.aclose()
+    return steps, obs
+
+
+async def test_textarena_self_play_seats_share_one_game():
+    """Two seats of TicTacToe, each its own env (as two episodes have them), on one table: moves alternate, an
+    invalid move is the mover's to retry, the result is each seat's own (+1 / -1), and a seat that leaves early
+    (its episode ended) truncates the other's."""
+    from envs.textarena_env import SelfPlayTable
+
+    first = agentrl.make_env("textarena/TicTacToe-v0", seat=0, table="g1")
+    second = agentrl.make_env("textarena/TicTacToe-v0", seat=1, table="g1")
+    (a, a_obs), (b, b_obs) = await asyncio.gather(
+        _seat(first, ["[4]", "[2]", "[6]"], 3), _seat(second, ["nonsense", "[0]", "[8]"], 3)
+    )
+    assert a == [(0.0, False, False, 1.0), (0.0, False, False, 1.0), (1.0, True, False, 1.0)]  # 4-2-6: a diagonal
+    assert b == [(0.0, False, False, 0.0), (0.0, False, False, 1.0), (-1.0, True, False, 1.0)]
+    assert (a_obs, b_obs) == ("Game over: won.", "Game over: lost.")
+    assert not SelfPlayTable._open
+
+    first = agentrl.make_env("textarena/TicTacToe-v0", seat=0, table="g2")
+    second = agentrl.make_env("textarena/TicTacToe-v0", seat=1, table="g2")
+    (a, _), (b, b_obs) = await asyncio.gather(_seat(first, ["[4]"], 5), _seat(second, ["[0]", "[1]"], 5))
+    assert a == [(0.0, False, False, 1.0)] and b == [(0.0, False, True, 1.0)]  # seat 0's episode ended: truncated
+    assert "left" in b_obs and not SelfPlayTable._open

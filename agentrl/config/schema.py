@@ -54,6 +54,12 @@ class TrainEnvConfig(EnvConfig):
 
     group_size: PositiveInt = Field(8, description="episodes per task seed (GRPO group)")
     groups_per_batch: PositiveInt = Field(4, description="groups of this tag in one training batch")
+    self_play: bool = Field(
+        False,
+        description="both seats of a two-player env played by the policy (TextArena games): each of the "
+        "group_size games is two episodes, one per seat, each seat's turns its own samples with its own reward, "
+        "and advantages computed within each seat's episodes (a per-role baseline)",
+    )
 
 
 class EnvsConfig(Section):

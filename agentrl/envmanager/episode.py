@@ -88,8 +88,15 @@ class EpisodeRunner:
 
     async def _run(self, spec: EpisodeSpec, ep: Episode) -> None:
         run = await self._start(spec, ep)
-        if run.box is not None:
-            await run.box.open_session(spec.episode_id)
+        try:
+            if run.box is not None:
+                await run.box.open_session(spec.episode_id)
+            await self._turns(run, spec, ep)
+        finally:
+            if hasattr(run.env, "aclose"):  # a self-play seat: the other seats stop waiting for this one
+                await run.env.aclose()
+
+    async def _turns(self, run: _Running, spec: EpisodeSpec, ep: Episode) -> None:
         try:
             pending: Messages = []  # messages since the last model turn, appended lazily
             for turn_index in range(run.max_turns):
@@ -102,7 +109,7 @@ class EpisodeRunner:
                 if pending is None:
                     return
             ep.messages += pending  # what the last turn's tools returned: shown in the log, never read by the model
-            ep.truncation = "max_turns"
+            ep.truncation = "max_turns" if run.max_turns else None
         finally:
             if run.box is not None:
                 await run.box.close_session(spec.episode_id)
@@ -113,12 +120,23 @@ class EpisodeRunner:
         chat = self._chat(sets)
         t0 = time.perf_counter()
         env = await self.off_loop(self.make_env, spec.env_id, spec.env_kwargs)
-        obs, info = await self.off_loop(lambda: env.reset(seed=spec.seed))
+        try:  # an env with `areset` / `astep` (a self-play seat) waits for the other seats on the loop, not a thread
+            if hasattr(env, "areset"):
+                obs, info = await env.areset(seed=spec.seed)
+            else:
+                obs, info = await self.off_loop(lambda: env.reset(seed=spec.seed))
+        except BaseException:
+            if hasattr(env, "aclose"):
+                await env.aclose()
+            raise
         ep.timings["env"] += time.perf_counter() - t0
         ep.task = dict(info.get("task") or {})
         ep.messages = [{"role": "system", "content": env.system_prompt()}, {"role": "user", "content": obs}]
         ep.append(chat.prompt_ids(ep.messages), model=False)
-        max_turns = spec.max_turns or env.max_steps
+        if info.get("terminated"):  # over before its first turn (a self-play seat whose game the other seat ended)
+            ep.env_return = float(info.get("reward", 0.0))
+            ep.metrics = {k: float(v) for k, v in (info.get("metrics") or {}).items()}
+        max_turns = 0 if info.get("terminated") else spec.max_turns or env.max_steps
         return _Running(spec, ep, env, chat, self.toolboxes.get(sets), max_turns, [1], self.tools.max_calls_per_episode)
 
     def _next_context(self, run: _Running, pending: Messages, turn_index: int) -> tuple[list[int], int] | None:
@@ -172,8 +190,12 @@ class EpisodeRunner:
                 await self.off_loop(run.env.observe_tool_results, [m["content"] for m in pending])
             return pending
         t0 = time.perf_counter()
-        inline = getattr(run.env, "inline_step", False)  # see TextEnv.inline_step
-        result = run.env.step(text) if inline else await self.off_loop(run.env.step, text)
+        if hasattr(run.env, "astep"):
+            result = await run.env.astep(text)
+        elif getattr(run.env, "inline_step", False):  # see TextEnv.inline_step
+            result = run.env.step(text)
+        else:
+            result = await self.off_loop(run.env.step, text)
         obs, reward, terminated, truncated, info = result
         ep.timings["env"] += time.perf_counter() - t0
         turn.reward = float(reward)

@@ -8,6 +8,7 @@ the unit of work (GRPO-style advantages need the whole group).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -41,6 +42,13 @@ def episode_spec(cfg: Config, split: str, tag: str, seed: int, index: int = 0) -
         sampling=cfg.rollout.sampling_for(split),
         agent=env.agent,
     )
+
+
+def self_play_seats(spec: EpisodeSpec, seats: int = 2) -> list[EpisodeSpec]:
+    """The episodes of one self-play game: one per seat, sharing the game through the `table` their envs join."""
+    table = spec.episode_id
+    return [dataclasses.replace(spec, seat=k, env_kwargs={**spec.env_kwargs, "seat": k, "table": table})
+            for k in range(seats)]  # fmt: skip
 
 
 def _make_env(env_id: str, kwargs: dict) -> Any:
@@ -142,6 +150,8 @@ class EnvManager:
         train = self.cfg.envs.train
         n = group_size or (train[tag].group_size if split == "train" and tag in train else 1)
         specs = [episode_spec(self.cfg, split, tag, seed, i) for i in range(n)]
+        if split == "train" and tag in train and train[tag].self_play:
+            specs = [seat for spec in specs for seat in self_play_seats(spec)]
         episodes = await asyncio.gather(*(self._run(spec) for spec in specs))
         group = Group(tag=tag, seed=seed, split=split)
         for ep in episodes:
@@ -154,7 +164,8 @@ class EnvManager:
             if scored is None:
                 continue
             episode_return, reward_metrics = scored
-            group.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
+            if ep.turns:  # an episode over before its first turn has nothing to train
+                group.samples += to_samples(ep, episode_return, self.cfg.envs.sample_mode)
             group.episode_metrics.append({**episode_metrics(ep, episode_return), **reward_metrics})
             if self.cfg.logging.sample_every_steps:  # the run logs a few of them (agentrl.run.episode_log)
                 group.episodes.append(episode_record(ep, tag, split, seed, episode_return, self.runner.tool_parser))
