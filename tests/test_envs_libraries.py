@@ -171,3 +171,13 @@ async def test_textarena_self_play_seats_share_one_game():
     (a, _), (b, b_obs) = await asyncio.gather(_seat(first, ["[4]"], 5), _seat(second, ["[0]", "[1]"], 5))
     assert a == [(0.0, False, False, 1.0)] and b == [(0.0, False, True, 1.0)]  # seat 0's episode ended: truncated
     assert "left" in b_obs and not SelfPlayTable._open
+
+
+def test_the_preflight_check_builds_a_self_play_env_as_a_seat_and_refuses_one_without_seats():
+    from agentrl.envmanager.manager import _make_each_env
+
+    ttt = ("envs.train.ttt", "textarena/TicTacToe-v0", {}, 0, None, True)
+    assert _make_each_env([ttt], 30.0) is None
+    sokoban = ("envs.train.box", "agentrl/SimpleSokoban-v0", {}, 0, None, True)
+    problem = _make_each_env([sokoban], 30.0)
+    assert problem is not None and problem.startswith("envs.train.box.self_play: agentrl/SimpleSokoban-v0 has no seats")

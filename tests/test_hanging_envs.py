@@ -73,7 +73,8 @@ def test_warm_start_demos_skip_hanging_and_crashing_episodes(tiny_model_path: st
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("hang_in", ["init", "reset"])
 def test_preflight_env_check_names_the_hanging_env(hang_in: str) -> None:
-    envs = [("envs.train.ok", "tests/CountTo-v0", {}, 0, None), ("envs.train.bad", HANG, {"hang_in": hang_in}, 0, None)]
+    envs = [("envs.train.ok", "tests/CountTo-v0", {}, 0, None, False),
+            ("envs.train.bad", HANG, {"hang_in": hang_in}, 0, None, False)]  # fmt: skip
     problem = _make_each_env(envs, 0.5)
     assert problem is not None and problem.startswith("envs.train.bad: tests/Hanging-v0:")
     assert "timed out after 0.5s" in problem and "envs.call_timeout_s" in problem

@@ -113,10 +113,11 @@ def test_env_config_validates_and_builds_like_the_env_managers(url):
     check_turn_limits(cfg)
     env = cfg.envs.train["remote"]
     assert (
-        _make_each_env([("envs.train.remote", env.env_id, dict(env.kwargs), 0, None)], cfg.envs.call_timeout_s) is None
+        _make_each_env([("envs.train.remote", env.env_id, dict(env.kwargs), 0, None, False)], cfg.envs.call_timeout_s)
+        is None
     )
     problem = _make_each_env(
-        [("envs.train.remote", env.env_id, {"url": url, "bogus": 1}, 0, None)], cfg.envs.call_timeout_s
+        [("envs.train.remote", env.env_id, {"url": url, "bogus": 1}, 0, None, False)], cfg.envs.call_timeout_s
     )
     assert problem is not None and "bogus" in problem
 

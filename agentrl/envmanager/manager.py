@@ -212,14 +212,14 @@ def check_turn_limits(cfg: Config) -> None:
                 )
 
 
-def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int, str | None]], timeout_s: float) -> str | None:
-    """Runs in a Ray worker: import each agent program, build and reset every env, each call within `timeout_s`;
-    the first failure as one line, or None."""
+def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int, str | None, bool]], timeout_s: float) -> str | None:
+    """Runs in a Ray worker: import each agent program, build and reset every env, each call within `timeout_s`
+    (a self-play env is built as a seat and must have seats); the first failure as one line, or None."""
     from agentrl.envs import UnknownEnvError
     from agentrl.envs.env_calls import EnvCallTimeout, call_with_timeout
     from agentrl.plugins import import_errors
 
-    for where, env_id, kwargs, seed, agent in envs:
+    for where, env_id, kwargs, seed, agent, self_play in envs:
         if agent is not None:  # an agent program must import where it will run, like the env
             from agentrl.gateway.agents import UnknownAgentError, resolve_agent
             from agentrl.gateway.commands import is_command
@@ -230,6 +230,16 @@ def _make_each_env(envs: list[tuple[str, str, dict[str, Any], int, str | None]],
             except UnknownAgentError as err:
                 return f"{where}.agent: {err} (in a Ray worker)"
         try:
+            if self_play:
+                seat = {**kwargs, "seat": 0, "table": f"check {where}"}
+                try:
+                    env = call_with_timeout(_make_env, env_id, seat, timeout_s=timeout_s, what="building the env")
+                except TypeError as err:
+                    env = err
+                if not hasattr(env, "astep"):
+                    return (f"{where}.self_play: {env_id} has no seats (the seat / table kwargs, areset and astep, "
+                            "as textarena/<two-player game> has)")  # fmt: skip
+                continue
             env = call_with_timeout(_make_env, env_id, kwargs, timeout_s=timeout_s, what="building the env")
             call_with_timeout(env.reset, seed=seed, timeout_s=timeout_s, what="env.reset")
             call_with_timeout(env.close, timeout_s=timeout_s, what="env.close")
@@ -257,9 +267,9 @@ def check_envs_in_actor(cfg: Config, start_timeout_s: float = 120.0) -> None:
     from agentrl.platform import worker_env
 
     envs = [
-        (f"envs.{split}.{tag}", env.env_id, dict(env.kwargs), env.seed_start, env.agent)
+        (f"envs.{split}.{tag}", e.env_id, dict(e.kwargs), e.seed_start, e.agent, getattr(e, "self_play", False))
         for split, section in (("train", cfg.envs.train), ("val", cfg.envs.val))
-        for tag, env in section.items()
+        for tag, e in section.items()
     ]
     probe = ray.remote(_make_each_env).options(num_cpus=0, runtime_env={"env_vars": worker_env()})
     call_s = cfg.envs.call_timeout_s
