@@ -108,7 +108,9 @@ class StandInManager:
         self.rng = random.Random(0)
         self.run_group = Remote(self._run_group)
 
-    async def _run_group(self, tag: str, seed: int, split: str = "train", n: int | None = None) -> Group:
+    async def _run_group(
+        self, tag: str, seed: int, split: str = "train", n: int | None = None, self_play: bool = True
+    ) -> Group:
         group = Group(tag=tag, seed=seed, split=split)
         for i in range(n or self.group_size):
             episode = f"{tag}/{seed}/{split}/{i}"

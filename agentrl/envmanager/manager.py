@@ -145,12 +145,15 @@ class EnvManager:
         logger.info("env manager %d: agent gateway at %s/v1", self.index, gateway.url)
         return AgentEpisodes(self.runner, gateway, g.agent_timeout_s, g.command_sandbox)
 
-    async def run_group(self, tag: str, seed: int, split: str = "train", group_size: int | None = None) -> Group:
-        """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples."""
+    async def run_group(
+        self, tag: str, seed: int, split: str = "train", group_size: int | None = None, self_play: bool = True
+    ) -> Group:
+        """Roll out `group_size` episodes of env `tag` on task `seed` concurrently; return their samples.
+        `self_play`: as the train env's config says (False: validation, which plays the env's fixed opponent)."""
         train = self.cfg.envs.train
         n = group_size or (train[tag].group_size if split == "train" and tag in train else 1)
         specs = [episode_spec(self.cfg, split, tag, seed, i) for i in range(n)]
-        if split == "train" and tag in train and train[tag].self_play:
+        if self_play and split == "train" and tag in train and train[tag].self_play:
             specs = [seat for spec in specs for seat in self_play_seats(spec)]
         episodes = await asyncio.gather(*(self._run(spec) for spec in specs))
         group = Group(tag=tag, seed=seed, split=split)
@@ -313,7 +316,7 @@ async def evaluate(cfg: Config, managers: list[Any], tick: Callable[[], None] = 
     v = cfg.validation
     envs, split = (cfg.envs.val, "val") if cfg.envs.val else (cfg.envs.train, "train")
     jobs = [
-        managers[i % len(managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, split, 1)
+        managers[i % len(managers)].run_group.remote(tag, v.seed_start + spec.seed_start + i, split, 1, False)
         for tag, spec in envs.items()
         for i in range(v.episodes_per_tag)
     ]
