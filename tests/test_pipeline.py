@@ -158,7 +158,10 @@ def test_the_warm_start_cache_key_leaves_out_rl_only_settings(tiny_model_path):
     assert key() == key("seed=7") == key("trainer.optim.lr=0.002", "trainer.total_steps=99")
     assert key() == key("trainer.optim.schedule=linear", "trainer.optim.warmup_steps=5")
     assert key() != key("trainer.sft.lr=0.01") and key() != key("trainer.optim.betas=[0.9,0.95]")
-    assert key() != key("trainer.lora.rank=8") != key("trainer.lora.rank=16")  # LoRA warm-starts adapters only
+    # LoRA's full warm start is full fine-tuning's (the adapters start on its result); an adapters-only one is not
+    assert key() == key("trainer.lora.rank=8") == key("trainer.lora.rank=16")
+    adapters = "trainer.lora.warm_start=adapters"
+    assert key() != key("trainer.lora.rank=8", adapters) != key("trainer.lora.rank=16", adapters)
 
 
 def test_weights_dir_is_per_driver_and_dead_drivers_folders_are_removed(tmp_path):

@@ -241,7 +241,7 @@ from agentrl.trainer import TrainerGroup
 init_ray(sys.argv[1])
 path = Path(sys.argv[3])
 trainer = TrainerGroup(load_config(None, ["trainer.ray_resources={%s: 1}" % sys.argv[2], "name=warm-cache"]))
-_save_warm_start(trainer, path)  # what the warm start does at its end
+_save_warm_start(trainer.save_warm_start, path)  # what the warm start does at its end
 
 @ray.remote(num_cpus=0)
 def look(folder):
