@@ -167,14 +167,19 @@ class TextArenaEnv(TextEnv):
         self.turns += 1
         truncated = not over and self.turns >= self.max_steps
         reward = self._result.get("reward", 0.0)
-        # TextArena judges the move: an invalid one is announced in the log (and gets a retry, or ends the game)
+        metrics = self._move_metrics(over, before)
+        return self._observation(), reward, over, truncated, {"metrics": metrics, "task": {"game": self.game}}
+
+    def _move_metrics(self, over: bool, before: int) -> dict[str, float]:
+        """The policy's move judged: TextArena announces an invalid one in the log after `before` (a retry, or the
+        end of the game); at the end, the result's win / draw / loss / invalid_move."""
         valid = not over and "invalid move" not in self._text[before:].lower()
         metrics = {"success": float(self._result.get("win", 0.0)), "action_is_valid": float(valid)}
         if over:
             metrics.update({k: v for k, v in self._result.items() if k != "reward"})
             metrics["action_is_valid"] = 1.0 - self._result["invalid_move"]
         metrics["action_is_effective"] = metrics["action_is_valid"]
-        return self._observation(), reward, over, truncated, {"metrics": metrics, "task": {"game": self.game}}
+        return metrics
 
     # ---- self-play: the episode runner awaits these instead of reset / step when the env has them --------------
     async def areset(self, *, seed: int | None = None) -> tuple[str, dict]:
@@ -201,12 +206,7 @@ class TextArenaEnv(TextEnv):
         obs = await self._my_turn()
         over = bool(self._result)
         truncated = not over and (self.turns >= self.max_steps or self._abandoned)
-        valid = not over and "invalid move" not in self._text[before:].lower()
-        metrics = {"success": float(self._result.get("win", 0.0)), "action_is_valid": float(valid)}
-        if over:
-            metrics.update({k: v for k, v in self._result.items() if k != "reward"})
-            metrics["action_is_valid"] = 1.0 - self._result["invalid_move"]
-        metrics["action_is_effective"] = metrics["action_is_valid"]
+        metrics = self._move_metrics(over, before)
         task = {"game": self.game, "seat": self.seat}
         return obs, self._result.get("reward", 0.0), over, truncated, {"metrics": metrics, "task": task}
 
