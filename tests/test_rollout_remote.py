@@ -33,6 +33,7 @@ class FakeServer:
         self.requests: list[tuple[str, dict]] = []
         self.hold = False
         self.aborted: set[str] = set()
+        self.busy_resets = 0  # this many /reset_prefix_cache calls answer success=false (requests hold KV blocks)
 
     def _tokens(self, n: int) -> list[int]:
         return [100 + i for i in range(n)]
@@ -60,7 +61,11 @@ class FakeServer:
         if path == "/inference/v1/abort_requests":
             self.aborted.update(body["request_ids"])
             return httpx.Response(200)
-        if path in ("/update_weights_from_disk", "/collective_rpc", "/reset_prefix_cache") and self.weights_endpoint:
+        if path == "/reset_prefix_cache" and self.weights_endpoint:
+            self.requests[-1] = (path, dict(request.url.params))
+            self.busy_resets -= 1
+            return httpx.Response(200, json={"success": self.busy_resets < 0})
+        if path in ("/update_weights_from_disk", "/collective_rpc") and self.weights_endpoint:
             ok = not str(body.get("model_path", "")).endswith("bad")
             return httpx.Response(200 if ok else 400, json={"success": ok, "message": "loaded" if ok else "bad dir"})
         return httpx.Response(404, json={"detail": "Not Found"})
@@ -145,11 +150,29 @@ async def test_vllm_generate_flavor_mapping_and_abort_returns_partial_tokens():
     server.hold = False
     await engine.update_weights("/snap/v1", 1)
     assert ("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": "/snap/v1"}}) in server.requests
-    assert server.requests[-1][0] == "/reset_prefix_cache"
+
+    assert server.requests[-1] == ("/reset_prefix_cache", {})
 
     no_dev = _engine(FakeServer("vllm", weights_endpoint=False))
     with pytest.raises(EngineError, match="VLLM_SERVER_DEV_MODE"):
         await no_dev.update_weights("/snap/v1", 1)
+
+
+async def test_a_refused_prefix_cache_reset_is_retried_preempting_then_fails_the_sync():
+    """vLLM answers {"success": false} while requests hold KV blocks: the engine asks once more with
+    reset_running_requests=true; a second refusal fails the update (stale prefixes must not be reused)."""
+    server = FakeServer("vllm")
+    engine = _engine(server)
+    server.busy_resets = 1
+    await engine.update_weights("/snap/v1", 1)
+    resets = [r for r in server.requests if r[0] == "/reset_prefix_cache"]
+    assert resets == [("/reset_prefix_cache", {}), ("/reset_prefix_cache", {"reset_running_requests": "true"})]
+    assert (await engine.stats())["version"] == 1
+
+    server.busy_resets = 2
+    with pytest.raises(EngineError, match="refused to reset its prefix cache"):
+        await engine.update_weights("/snap/v2", 2)
+    assert (await engine.stats())["version"] == 1
 
 
 async def test_openai_flavor_mapping_and_abort_cancels():

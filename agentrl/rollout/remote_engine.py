@@ -294,7 +294,22 @@ class RemoteEngine(TurnMailbox, GatedEngine):
                     "VLLM_SERVER_DEV_MODE=1 (POST /collective_rpc reload_weights) or restart it on the new weights"
                 ) from None
             raise
-        await self._post("/reset_prefix_cache")
+        await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        """vLLM's POST /reset_prefix_cache answers {"success": false} while requests hold KV blocks (0.32 read:
+        entrypoints/serve/dev/cache/api_router.py): our requests are drained, but the server may still be
+        finishing their aborts, or serve other clients. Tried once more with reset_running_requests=true (the
+        server preempts what still runs; those requests recompute their KV on the new weights); a second refusal
+        fails the sync rather than leave prefixes of the old weights in use. A server that answers without a body
+        (older vLLM) reports nothing to check."""
+        if not _refused(await self._post("/reset_prefix_cache")):
+            return
+        if _refused(await self._post("/reset_prefix_cache", params={"reset_running_requests": "true"})):
+            raise EngineError(
+                f"{self.url}: the server refused to reset its prefix cache after loading new weights (requests "
+                "still hold KV blocks even when preempted): stale KV prefixes would be reused"
+            )
 
     async def health(self) -> dict[str, Any]:
         try:
@@ -308,3 +323,8 @@ class RemoteEngine(TurnMailbox, GatedEngine):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+
+def _refused(result: Any) -> bool:
+    """A /reset_prefix_cache answer that says the reset did not happen."""
+    return isinstance(result, dict) and result.get("success") is False
