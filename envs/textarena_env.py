@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import io
+import operator
 import random
 import re
 import threading
@@ -49,6 +51,74 @@ RANDOM_MOVES: dict[str, Callable[[str, random.Random], str]] = {
     "GuessTheNumber-v0": lambda obs, rng: f"[{rng.randint(1, 20)}]",
     "Mastermind-v0": lambda obs, rng: "[" + " ".join(map(str, rng.sample(range(1, 7), 4))) + "]",
 }
+
+
+_TTT_ORDER = (4, 0, 2, 6, 8, 1, 3, 5, 7)  # the expert's tie-break among equally good cells: centre, corners, edges
+_TTT_LINES = ((0, 1, 2), (3, 4, 5), (6, 7, 8), (0, 3, 6), (1, 4, 7), (2, 5, 8), (0, 4, 8), (2, 4, 6))
+
+
+def _ttt_moves(cells: tuple[str, ...], mark: str) -> list[tuple[int, int]]:
+    """(value, cell) of each free cell for `mark` to move: 10 for a win now, less for a win later (sooner is better),
+    0 for a draw, negative for a loss (later is less bad); in tie-break order."""
+    other = "X" if mark == "O" else "O"
+    moves = []
+    for cell in _TTT_ORDER:
+        if cells[cell]:
+            continue
+        after = (*cells[:cell], mark, *cells[cell + 1 :])
+        if any(all(after[i] == mark for i in line) for line in _TTT_LINES):
+            value = 10
+        elif all(after):
+            value = 0
+        else:
+            value = -_ttt_value(after, other)
+            value -= (value > 0) - (value < 0)
+        moves.append((value, cell))
+    return moves
+
+
+@functools.cache
+def _ttt_value(cells: tuple[str, ...], mark: str) -> int:
+    return max(value for value, _ in _ttt_moves(cells, mark))
+
+
+def tictactoe_expert(board: list[list[str]], mark: str) -> str:
+    """A perfect Tic Tac Toe move for `mark` (minimax; centre, corners, edges on ties), as `[cell]`."""
+    moves = _ttt_moves(tuple(c for row in board for c in row), mark)
+    return f"[{max(moves, key=lambda m: m[0])[1]}]" if moves else "[0]"
+
+
+def nim_expert(piles: list[int]) -> str:
+    """The winning Nim move (leave a zero nim-sum; last object wins), or one object off the largest pile when the
+    position is lost, as `[pile quantity]`."""
+    nim_sum = functools.reduce(operator.xor, piles, 0)
+    if nim_sum:
+        for pile, size in enumerate(piles):
+            if size ^ nim_sum < size:
+                return f"[{pile} {size - (size ^ nim_sum)}]"
+    pile = max(range(len(piles)), key=lambda i: piles[i])
+    return f"[{pile} 1]"
+
+
+def _game_state(env: Any) -> tuple[dict, int]:
+    """The state of a TextArena game under its wrappers, and the player to move."""
+    while hasattr(env, "env"):
+        env = env.env
+    return env.state.game_state, env.state.current_player_id
+
+
+def expert_move(game: str, env: Any) -> str | None:
+    """The expert's move in `game` for the player to move (read from the game's state), or None for games without
+    one: a perfect player for TicTacToe and Nim."""
+    if game == "TicTacToe-v0":
+        state, player = _game_state(env)
+        return tictactoe_expert(state["board"], "X" if player == 1 else "O")
+    if game == "Nim-v0":
+        return nim_expert(list(_game_state(env)[0]["piles"]))
+    return None
+
+
+EXPERT_GAMES = ("TicTacToe-v0", "Nim-v0")
 
 
 def random_move(game: str, observation: str, rng: random.Random) -> str:
@@ -114,8 +184,12 @@ class TextArenaEnv(TextEnv):
     def _opponent(self, spec: str) -> Callable[[str, random.Random], str]:
         if spec == "random":
             return lambda observation, rng: random_move(self.game, observation, rng)
+        if spec == "expert":
+            if self.game not in EXPERT_GAMES:
+                raise ValueError(f"textarena/{self.game} has no expert opponent (games with one: {EXPERT_GAMES})")
+            return lambda observation, rng: expert_move(self.game, self.env) or "[0]"
         if ":" not in spec:
-            raise ValueError(f"opponent must be 'random' or module:function, not {spec!r}")
+            raise ValueError(f"opponent must be 'random', 'expert' or module:function, not {spec!r}")
         return import_object(spec)
 
     def system_prompt(self) -> str:
@@ -243,6 +317,11 @@ class TextArenaEnv(TextEnv):
 
     def random_action(self, rng: random.Random) -> str:
         return random_move(self.game, self._text, rng)
+
+    def expert_action(self) -> str | None:
+        """The expert's move as the model would write it (TextArena reads the text itself), for the SFT warm start;
+        None for games without an expert or once the game is over."""
+        return None if self._result else expert_move(self.game, self.env)
 
 
 class SelfPlayTable:

@@ -92,6 +92,52 @@ def test_a_textarena_game_against_a_random_opponent():
     assert terminated and reward == -1.0 and info["metrics"]["invalid_move"] == 1.0
 
 
+def _play(env, seeds, act):
+    results = []
+    for seed in seeds:
+        env.reset(seed=seed)
+        for _ in range(30):
+            _, reward, terminated, truncated, info = env.step(act(env))
+            if terminated or truncated:
+                break
+        assert terminated and info["metrics"]["invalid_move"] == 0.0
+        results.append(reward)
+    return results
+
+
+@pytest.mark.parametrize("game", ["TicTacToe-v0", "Nim-v0"])
+def test_the_perfect_player_never_loses_and_beats_a_random_opponent(game):
+    """The expert the SFT warm start imitates (minimax / nim-sum) on the real games, in either seat."""
+    first = _play(agentrl.make_env(f"textarena/{game}"), range(40), lambda env: env.expert_action())
+    assert min(first) >= 0.0 and first.count(1.0) >= 34  # first player: it wins almost every game against random
+    second = _play(agentrl.make_env(f"textarena/{game}", seat=1), range(40), lambda env: env.expert_action())
+    assert min(second) >= 0.0 if game == "TicTacToe-v0" else second.count(1.0) >= 30
+    against_itself = _play(agentrl.make_env(f"textarena/{game}", opponent="expert"), range(5),
+                           lambda env: env.expert_action())  # fmt: skip
+    assert set(against_itself) == ({0.0} if game == "TicTacToe-v0" else {1.0})  # TTT is a draw; Nim's start is won
+    rng = random.Random(0)
+    random_first = _play(agentrl.make_env(f"textarena/{game}", opponent="expert"), range(20),
+                         lambda env: env.random_action(rng))  # fmt: skip
+    assert max(random_first) <= 0.0 if game == "TicTacToe-v0" else random_first.count(-1.0) >= 15
+
+
+def test_tictactoe_expert_wins_now_blocks_and_has_no_expert_once_over():
+    from agentrl.envs.textarena_env import nim_expert, tictactoe_expert
+
+    assert tictactoe_expert([["O", "O", ""], ["X", "X", ""], ["", "", ""]], "X") == "[5]"  # win rather than block
+    assert tictactoe_expert([["O", "O", ""], ["X", "", ""], ["", "", ""]], "X") == "[2]"  # block
+    assert tictactoe_expert([["", "", ""]] * 3, "O") == "[4]"
+    assert nim_expert([3, 4, 5]) == "[0 2]" and nim_expert([1, 1]) == "[0 1]"  # leave nim-sum 0; lost: take one
+    env = agentrl.make_env("textarena/TicTacToe-v0")
+    env.reset(seed=0)
+    env.step("nonsense")
+    env.step("nonsense")  # the second invalid move ends the game
+    assert env.expert_action() is None
+    assert agentrl.make_env("textarena/GuessTheNumber-v0").expert_action() is None
+    with pytest.raises(ValueError, match="no expert opponent"):
+        agentrl.make_env("textarena/ConnectFour-v0", opponent="expert")
+
+
 @pytest.mark.parametrize("game", GAMES)
 def test_check_env_passes_textarena_games_with_warnings_for_agentrl_only_rules(game):
     report = check_text_env(f"textarena/{game}", {}, episodes=6, seed=0, timeout_s=30)
