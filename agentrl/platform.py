@@ -88,7 +88,24 @@ class Platform:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             env["OMP_NUM_THREADS"] = "1"
             env["THP_MEM_ALLOC_ENABLE"] = "1"  # huge pages for torch's large buffers (see worker_env)
+        if self.kind == "npu":
+            # vllm-ascend casts linear weights to the FRACTAL_NZ layout after loading (its default, 1); an
+            # in-place reload then writes checkpoint-layout tensors over them. vllm-ascend's own weight update
+            # refuses to run with it on (v0.23.0 vllm_ascend/worker/worker.py: NPUWorker._check_nz_disabled,
+            # called by NPUWorker.start_weight_update): every agentrl weight sync is an in-place reload.
+            env["VLLM_ASCEND_ENABLE_NZ"] = "0"
         return env
+
+    def check_vllm_env(self, environ: Mapping[str, str]) -> None:
+        """Raise ValueError when `environ` holds a setting an agentrl engine cannot run with: on Ascend, a
+        user's explicit VLLM_ASCEND_ENABLE_NZ other than 0 (see vllm_env), refused up front rather than at the
+        first weight sync."""
+        nz = environ.get("VLLM_ASCEND_ENABLE_NZ", "0")
+        if self.kind == "npu" and nz.strip() != "0":
+            raise ValueError(
+                f"VLLM_ASCEND_ENABLE_NZ={nz}: weight syncs reload the weights in place, which needs the FRACTAL_NZ "
+                "layout off (vllm-ascend refuses its own weight updates with it on); unset it or set it to 0"
+            )
 
 
 CPU = Platform("cpu", "cpu", "gloo", None, None, 0)

@@ -68,3 +68,15 @@ def test_npu_probe_never_imports_torch_npu_when_absent():
 
     assert plat._probe_npu() == 0
     assert "torch_npu" not in sys.modules
+
+
+def test_npu_engines_run_with_fractal_nz_off():
+    """Simulated NPU: vLLM engines get VLLM_ASCEND_ENABLE_NZ=0 (in-place reloads need it off: vllm-ascend v0.23.0
+    NPUWorker._check_nz_disabled); a user's explicit 1 is refused up front. Other platforms ignore it."""
+    npu = plat.platform_for("npu", 1)
+    assert npu.vllm_env()["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    assert "VLLM_ASCEND_ENABLE_NZ" not in plat.CPU.vllm_env()
+    npu.check_vllm_env({"VLLM_ASCEND_ENABLE_NZ": "0"})
+    with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=1: weight syncs reload the weights in place"):
+        npu.check_vllm_env({"VLLM_ASCEND_ENABLE_NZ": "1"})
+    plat.CPU.check_vllm_env({"VLLM_ASCEND_ENABLE_NZ": "1"})

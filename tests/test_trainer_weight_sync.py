@@ -233,3 +233,175 @@ def test_delta_sync_needs_the_collective_sync():
     assert load_config(None, ["rollout.weight_sync_delta=true"]).rollout.weight_sync_delta
     with pytest.raises(ConfigError, match=r"rollout\.weight_sync_delta needs the collective weight sync"):
         load_config(None, ["rollout.weight_sync_delta=true", "rollout.weight_sync=disk"])
+
+
+class FakeNPU:
+    """Stand-in for `torch.npu` (torch_npu's module): no NPU exists on this machine. It records what the code
+    under test asks of the device into `log`; its streams and events complete when `done` says so."""
+
+    def __init__(self, log: list[str], done: bool = True) -> None:
+        self.log, self.done = log, done
+        npu = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                npu.log.append("stream waits for the current one")
+
+        class Event:
+            def record(self, stream) -> None:
+                npu.log.append("event recorded")
+
+            def query(self) -> bool:
+                return npu.done
+
+        self.Stream, self.Event = Stream, Event
+        self._current = Stream()
+
+    def current_stream(self):
+        return self._current
+
+    def current_device(self) -> int:
+        return 3
+
+    def synchronize(self) -> None:
+        self.log.append("npu synchronized")
+
+
+class FakeTorch:
+    """`torch` as the worker extension sees it on an NPU, stood in on CPU: `torch.npu` is a FakeNPU and
+    `torch.device(d)` a context that logs its entry and exit (torch.device("npu") needs torch_npu); the rest is
+    the real torch."""
+
+    def __init__(self, npu: FakeNPU) -> None:
+        self.npu = npu
+
+    def device(self, device):
+        import contextlib
+
+        @contextlib.contextmanager
+        def as_default():
+            self.npu.log.append(f"default device {device.type}:{device.index}")
+            yield
+            self.npu.log.append("default device restored")
+
+        return as_default()
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+
+def _npu_worker(monkeypatch, log: list[str]):
+    """An AgentrlWorkerExtension as vllm-ascend's NPUWorker would mix it in (its `device` is npu:0), with a model
+    runner whose in-place reload logs when the weights load."""
+    from agentrl.rollout import vllm_worker
+
+    monkeypatch.setattr(vllm_worker, "torch", FakeTorch(FakeNPU(log)))
+
+    class Runner:
+        model = torch.nn.Linear(2, 2)
+
+        def reload_weights(self, weights_iterator=None, weights_path=None) -> None:
+            n = sum(1 for _ in weights_iterator) if weights_iterator is not None else weights_path
+            log.append(f"weights loaded: {n}")
+
+    worker = vllm_worker.AgentrlWorkerExtension()
+    worker.model_runner, worker.device, worker.rank = Runner(), SimpleNamespace(type="npu", index=0), 0
+    return worker
+
+
+@pytest.mark.parametrize("path", ["disk", "collective"])
+def test_npu_reload_runs_under_the_device_then_synchronizes_simulated(monkeypatch, path) -> None:
+    """FakeNPU: the reload runs as vllm-ascend v0.23.0's NPUWorker.update_weights does its own: under the worker's
+    device as the default device, then torch.npu.synchronize(); and only with VLLM_ASCEND_ENABLE_NZ=0. The
+    collective path receives over a one-process gloo group (the buckets arrive inside the device context)."""
+    log: list[str] = []
+    worker = _npu_worker(monkeypatch, log)
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "0")
+    if path == "disk":
+        worker.reload_from_path("/snap/v1")
+        loaded = "weights loaded: /snap/v1"
+    else:
+        from agentrl.rollout import vllm_worker
+
+        def on_cpu(pg, wanted, device, *args):  # the FakeNPU device holds no tensors: they are received on CPU
+            for name, tensor in receive_state_dict(pg, wanted, torch.device("cpu"), *args):
+                log.append(f"received {name} on {device.type}")
+                yield name, tensor
+
+        monkeypatch.setattr(vllm_worker, "receive_state_dict", on_cpu)
+        group = {"addr": "127.0.0.1", "port": free_port_local(), "world_size": 1, "backend": "gloo", "timeout_s": 30}
+        metas = [("a.weight", (8, 4), "float32"), ("b.weight", (3,), "float32")]
+        assert worker.receive_weights(group, 0, metas, bucket_bytes=64) == 2
+        worker._agentrl_groups.close()
+        loaded = "weights loaded: 2"
+        assert log[1:3] == ["received a.weight on npu", "received b.weight on npu"]  # inside the device context
+        del log[1:3]
+    assert log == ["default device npu:0", loaded, "default device restored", "npu synchronized"]
+
+    for refused in ("1", None):  # vllm-ascend's default is 1
+        if refused is None:
+            monkeypatch.delenv("VLLM_ASCEND_ENABLE_NZ")
+        else:
+            monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", refused)
+        log.clear()
+        with pytest.raises(ValueError, match="VLLM_ASCEND_ENABLE_NZ=0"):
+            worker.reload_from_path("/snap/v2")
+        assert log == []
+
+
+def test_hccl_group_is_vllm_ascends_stateless_pyhccl_communicator_simulated(monkeypatch) -> None:
+    """FakeNPU and a stand-in PyHcclCommunicator (no NPU, no vllm-ascend here): new_group("hccl") builds what
+    vllm-ascend v0.23.0's HCCLWeightTransferEngine._stateless_init_process_group builds (vLLM's real
+    StatelessProcessGroup, then PyHcclCommunicator on the current NPU), issues collectives on a stream of its own
+    after the current one, copies an all-reduce's result back, and fails a collective that never completes after
+    the group's timeout (SyncError) instead of hanging."""
+    import sys
+    import types
+
+    from agentrl.weightsync.buckets import HcclGroup, SyncError, wait
+
+    log: list[str] = []
+    npu = FakeNPU(log)
+
+    class StandInPyHcclCommunicator:
+        """Stand-in for vllm_ascend.distributed.device_communicators.pyhccl.PyHcclCommunicator."""
+
+        disabled = False
+
+        def __init__(self, group, device) -> None:
+            log.append(f"communicator rank {group.rank}/{group.world_size} on npu {device}")
+
+        def broadcast(self, tensor, src, stream=None) -> None:
+            log.append(f"broadcast from {src} on the group's stream: {stream is not npu.current_stream()}")
+
+        def all_reduce(self, tensor, stream=None):
+            log.append("all_reduce")
+            return tensor * 2
+
+    pyhccl = types.ModuleType("vllm_ascend.distributed.device_communicators.pyhccl")
+    pyhccl.PyHcclCommunicator = StandInPyHcclCommunicator
+    for name in ("vllm_ascend", "vllm_ascend.distributed", "vllm_ascend.distributed.device_communicators"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, pyhccl.__name__, pyhccl)
+    monkeypatch.setattr(torch, "npu", npu, raising=False)
+
+    group = new_group("hccl", "127.0.0.1", free_port_local(), 0, 1, timeout_s=30)
+    assert isinstance(group, HcclGroup)
+    flat = torch.zeros(4)
+    wait(group.broadcast(flat, 0), 5)
+    flags = torch.tensor([0, 1])
+    wait(group.allreduce(flags), 5)
+    assert flags.tolist() == [0, 2]
+    assert log == [
+        "communicator rank 0/1 on npu 3",
+        "stream waits for the current one",
+        "broadcast from 0 on the group's stream: True",
+        "event recorded",
+        "stream waits for the current one",
+        "all_reduce",
+        "event recorded",
+    ]
+    npu.done = False  # a peer died: the collective never completes on the device
+    with pytest.raises(SyncError, match=r"not done after 0\.2 s"):
+        wait(group.broadcast(flat, 0), 0.2)
+    group.abort()

@@ -6,6 +6,13 @@ lm_head tied to the input embedding: that head keeps computing logits from the *
 greedy tokens looked right, sampled tokens were near-uniform noise). Re-dispatching every layer that still holds
 its weight fixes it; layers whose weights vLLM removed after packing were re-packed by the reload itself.
 
+On an accelerator every reload runs as vllm-ascend's own weight update does (v0.23.0
+vllm_ascend/worker/worker.py: NPUWorker.start_weight_update, update_weights, finish_weight_update): under the
+worker's device as torch's default device (`with torch.device(self.device)`: the layerwise reload re-creates the
+layers' tensors, which would otherwise land on the CPU), then `torch.npu.synchronize()` (HCCL broadcasts and the
+copies into the model are asynchronous on the device: the next step must see the new weights), and on Ascend only
+with VLLM_ASCEND_ENABLE_NZ=0 (NPUWorker._check_nz_disabled; the engine sets it, `agentrl.platform`).
+
 `receive_weights`: the receiving end of the collective weight sync (`agentrl.weightsync`).
 Each worker (one per tensor-parallel rank) joins the group as rank `first_rank + self.rank`, receives every
 bucket in full and hands the tensors to vLLM's in-place `reload_weights`, whose weight loaders keep this rank's
@@ -17,7 +24,9 @@ names: the worker writes them as a peft adapter dir (its local rank 0, on the en
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -43,7 +52,36 @@ class AgentrlWorkerExtension:
     def reload_from_path(self, weights_path: str) -> None:
         """The disk weight sync: the model runner's in-place reload from a safetensors folder. Called here, not as
         the worker's own `reload_weights`, which some builds lack (vllm-ascend 0.23's NPUWorker)."""
-        self.model_runner.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+        with self._reloading():
+            self.model_runner.reload_weights(weights_path=weights_path)  # type: ignore[attr-defined]
+
+    def _device(self) -> torch.device:
+        """The worker's device: vLLM's workers keep it as `device` (NPUWorker.init_device: "KEEP device the member
+        of NPUWorker"); else where the model's weights are."""
+        device = getattr(self, "device", None)
+        if hasattr(device, "type"):
+            return device
+        return next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
+
+    @contextmanager
+    def _reloading(self) -> Iterator[torch.device]:
+        """Around an in-place reload on an accelerator, what vllm-ascend v0.23.0 does around its own
+        (vllm_ascend/worker/worker.py, NPUWorker.start_weight_update / update_weights / finish_weight_update):
+        refuse FRACTAL_NZ weights, load with the worker's device as the default device, then synchronize the
+        device. The CPU reload runs as it is."""
+        device = self._device()
+        if device.type == "cpu":
+            yield device
+            return
+        if device.type == "npu" and os.environ.get("VLLM_ASCEND_ENABLE_NZ", "1").strip() != "0":
+            # vllm-ascend's default is 1 (vllm_ascend/envs.py); the engine sets 0 for its workers
+            raise ValueError(
+                "FRACTAL_NZ mode is enabled (VLLM_ASCEND_ENABLE_NZ): an in-place weight reload would write "
+                "checkpoint-layout tensors over NZ-layout weights; set VLLM_ASCEND_ENABLE_NZ=0"
+            )
+        with torch.device(device):
+            yield device
+        getattr(torch, device.type).synchronize()  # torch.npu / torch.cuda
 
     def receive_weights(
         self,
@@ -63,7 +101,7 @@ class AgentrlWorkerExtension:
             self._agentrl_groups = GroupCache()
         rank = first_rank + int(getattr(self, "rank", 0))
         where = SyncGroup(**group)
-        device = next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
+        device = self._device()
         wanted = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in metas]
         try:
             pg = self._agentrl_groups.get(where, rank=rank)
@@ -74,11 +112,14 @@ class AgentrlWorkerExtension:
                 received = _set_aside_adapters(received, tensors)
             if adapters is None or any(not is_adapter_tensor(m.name) for m in wanted):
                 # reload_weights, not model.load_weights: after loading, vLLM has processed (and on CPU, prepacked)
-                # the layers and dropped their weight loaders; its in-place reload restores them around the load
-                self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
+                # the layers and dropped their weight loaders; its in-place reload restores them around the load.
+                # The buckets arrive while it loads (`received` is lazy), so they too run under _reloading.
+                with self._reloading():
+                    self.model_runner.reload_weights(weights_iterator=received)  # type: ignore[attr-defined]
             else:
-                for _ in received:  # adapters only: every bucket still arrives
-                    pass
+                with self._reloading():
+                    for _ in received:  # adapters only: every bucket still arrives
+                        pass
         except Exception:  # the sender or another engine died in the group: drop (abort) it, the next sync rebuilds
             self._agentrl_groups.fail()
             raise

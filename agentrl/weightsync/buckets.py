@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -100,7 +101,7 @@ class SyncError(RuntimeError):
 # compute garbage, wrong for this one, whose peers are engines that may die (and are restarted) at any time.
 # Both read the variable when a group is constructed, so setting it around the construction is per group (a
 # user's setting for the training group is left as it was).
-_ERROR_HANDLING_VARS = {"nccl": "TORCH_NCCL_ASYNC_ERROR_HANDLING", "hccl": "HCCL_ASYNC_ERROR_HANDLING"}
+_ERROR_HANDLING_VARS = {"nccl": "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 _CLEAN_UP_ONLY = "2"
 _env_lock = threading.Lock()
 
@@ -123,11 +124,13 @@ def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, ti
     """A process group over a fresh TCPStore (rank 0 hosts it), independent of any default group, so trainer
     rank 0 and engine workers living in other process groups can share it. backend: gloo | nccl | hccl.
 
-    `timeout_s` is the group's own: joining it and every collective on it fail after that long. With NCCL / HCCL
-    the group is built to abort only itself on a timeout or a peer's death (not the process: see
-    `_ERROR_HANDLING_VARS`)."""
+    `timeout_s` is the group's own: joining it and every collective on it fail after that long. With NCCL the
+    group is built to abort only itself on a timeout or a peer's death (not the process: see
+    `_ERROR_HANDLING_VARS`). HCCL: vllm-ascend's own communicator (`HcclGroup`)."""
     import torch.distributed as dist
 
+    if backend == "hccl":
+        return HcclGroup(addr, port, rank, world_size, timeout_s)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timeout)
     if backend == "gloo":
@@ -138,20 +141,99 @@ def new_group(backend: str, addr: str, port: int, rank: int, world_size: int, ti
         options._timeout = timeout
         with _env(_ERROR_HANDLING_VARS["nccl"], _CLEAN_UP_ONLY):
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    if backend == "hccl":  # checked only on a device; torch_npu exists only where an NPU does
-        from torch_npu._C._distributed_c10d import ProcessGroupHCCL  # type: ignore[import-not-found]
-
-        options = ProcessGroupHCCL.Options()
-        options._timeout = timeout
-        with _env(_ERROR_HANDLING_VARS["hccl"], _CLEAN_UP_ONLY):
-            return ProcessGroupHCCL(store, rank, world_size, options)
     raise ValueError(f"unknown weight-sync backend {backend!r} (known: gloo, nccl, hccl)")
 
 
+class HcclGroup:
+    """The HCCL weight-sync group, built as vllm-ascend builds its own for weight transfer (v0.23.0
+    vllm_ascend/distributed/weight_transfer/hccl_engine.py: HCCLWeightTransferEngine._stateless_init_process_group,
+    used by both ends, trainer_init and init_transfer_engine): vLLM's StatelessProcessGroup (a TCPStore that rank 0
+    hosts, for the handshake only) and vllm-ascend's PyHcclCommunicator
+    (vllm_ascend/distributed/device_communicators/pyhccl.py) on this process's current NPU. No torch process
+    group is made, so neither torch_npu's ProcessGroupHCCL watchdog nor the process's default group is involved.
+
+    It answers the two collectives this package calls on a torch process group, each returning a work for
+    `wait`: the collective runs on a stream of its own (PyHcclCommunicator's calls are asynchronous on the stream
+    they are given), so a peer that died leaves only that stream hung, and `wait` gives up after its timeout.
+    vllm_ascend is imported lazily: it exists only where an NPU does."""
+
+    def __init__(self, addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        from vllm.distributed.utils import StatelessProcessGroup  # type: ignore[import-not-found]
+        from vllm_ascend.distributed.device_communicators.pyhccl import (  # type: ignore[import-not-found]
+            PyHcclCommunicator,
+        )
+
+        npu = torch.npu  # type: ignore[attr-defined]  # registered by torch_npu, which vllm_ascend imports
+        create = StatelessProcessGroup.create
+        # store_timeout (seconds, vLLM >= 0.11): joining the group fails after the sync group's own timeout
+        timeout = {"store_timeout": int(timeout_s)} if "store_timeout" in _parameters(create) else {}
+        self._store = create(host=addr, port=port, rank=rank, world_size=world_size, **timeout)
+        self._comm = PyHcclCommunicator(self._store, device=npu.current_device())
+        self._stream = npu.Stream()
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> _StreamWork:
+        """Broadcast `tensor` in place from rank `root` (torch's ProcessGroup.broadcast(tensor, root))."""
+        return self._run(lambda stream: self._comm.broadcast(tensor, src=root, stream=stream))
+
+    def allreduce(self, tensor: torch.Tensor) -> _StreamWork:
+        """Sum `tensor` in place over the group (PyHcclCommunicator's all_reduce returns a new tensor: copied back
+        once it is done)."""
+        out: list[torch.Tensor | None] = []
+        work = self._run(lambda stream: out.append(self._comm.all_reduce(tensor, stream=stream)))
+        return _StreamWork(work.event, lambda: out[0] is not None and tensor.copy_(out[0]))
+
+    def _run(self, collective) -> _StreamWork:
+        npu = torch.npu  # type: ignore[attr-defined]
+        self._stream.wait_stream(npu.current_stream())  # after whatever filled the tensor
+        collective(self._stream)
+        event = npu.Event()
+        event.record(self._stream)
+        return _StreamWork(event)
+
+    def abort(self) -> None:
+        """Forget the communicator without destroying it: HcclCommDestroy would wait for a collective stuck on
+        a dead peer (HCCL itself fails that one after HCCL_EXEC_TIMEOUT)."""
+        self._comm = None
+
+    def shutdown(self) -> None:
+        """Destroy the communicator (it holds device memory)."""
+        comm, self._comm = self._comm, None
+        if comm is not None and not getattr(comm, "disabled", True):
+            comm.hccl.hcclCommDestroy(comm.comm)
+
+
+class _StreamWork:
+    """A collective issued on a device stream, as torch's Work: `wait(timeout)` blocks until it is done on the
+    device, at most `timeout`, then runs `then` (if any)."""
+
+    def __init__(self, event, then=None) -> None:
+        self.event = event
+        self._then = then
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while not self.event.query():
+            if deadline is not None and time.monotonic() > deadline:
+                raise SyncError(f"HCCL weight-sync collective not done after {timeout.total_seconds():g} s")
+            time.sleep(0.001)
+        if self._then is not None:
+            self._then()
+        return True
+
+
+def _parameters(fn) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def wait(work, timeout_s: float | None) -> None:
-    """Wait for one collective of a weight-sync group, at most `timeout_s`. On NCCL / HCCL a wait with a timeout
-    blocks this thread until the collective ends (a plain wait only orders streams and would let a dead peer
-    hang the device's stream), and on a timeout aborts the group's communicator and raises."""
+    """Wait for one collective of a weight-sync group, at most `timeout_s`. On NCCL a wait with a timeout blocks
+    this thread until the collective ends (a plain wait only orders streams and would let a dead peer hang the
+    device's stream), and on a timeout aborts the group's communicator and raises; HCCL's `_StreamWork` alike."""
     if timeout_s is None:
         work.wait()
     else:
