@@ -5,8 +5,10 @@ far; `observation: new` gives only what is new since the policy's last turn, for
 model's text is the move as TextArena reads it (e.g. `[4]`), and the game's own result is the reward at the end
 (+1 win, 0 draw, -1 loss in two-player games; the game's score in one-player ones), TextArena's invalid-move rules
 included. The opponent plays its turns inside `step`: `random` plays a random move in the game's format (one
-TextArena lists as available, where it lists them), or `module:function` takes `(observation, rng)` and returns a
-move. Metrics: success (a positive result), win / draw / loss, and invalid_move for the policy.
+TextArena lists as available, where it lists them), `expert` plays a perfect game (TicTacToe, Nim), `snapshot:PATH`
+is a frozen policy snapshot (a model folder, `agentrl.envs.snapshot_opponent`; it sees its seat's text as the policy
+sees its own), or `module:function` takes `(observation, rng)` and returns a move. Metrics: success (a positive
+result), win / draw / loss, and invalid_move for the policy.
 
 Self-play (`envs.train.TAG.self_play`): both seats of a two-player game are played by the policy. Each game is two
 episodes, one per seat, that share one TextArena game through a `SelfPlayTable` (named by the `table` kwarg the
@@ -31,6 +33,7 @@ from agentrl.envs.base import Move, TextEnv
 from agentrl.plugins import import_object
 
 PREFIX = "textarena/"
+SNAPSHOT = "snapshot:"  # opponent: a frozen policy snapshot (agentrl.envs.snapshot_opponent)
 _AVAILABLE = re.compile(r"Available Moves: (.*)")
 _MOVE = re.compile(r"'(\[[^\]]*\])'")
 
@@ -158,6 +161,7 @@ class TextArenaEnv(TextEnv):
         self.textarena, self.game, self.seat, self.num_players = textarena, game, seat, num_players
         self.full = observation == "full"
         self.opponent = self._opponent(opponent) if table is None else None
+        self.snapshot_sees_new = opponent.startswith(SNAPSHOT) and not self.full
         self._result: dict[str, float] = {}
         self.env = self._make()  # at construction: a game that needs data from the network says so before any run
         self.table = SelfPlayTable.join(table, num_players) if table is not None else None
@@ -188,8 +192,12 @@ class TextArenaEnv(TextEnv):
             if self.game not in EXPERT_GAMES:
                 raise ValueError(f"textarena/{self.game} has no expert opponent (games with one: {EXPERT_GAMES})")
             return lambda observation, rng: expert_move(self.game, self.env) or "[0]"
+        if spec.startswith(SNAPSHOT):
+            from agentrl.envs.snapshot_opponent import SnapshotOpponent
+
+            return SnapshotOpponent(spec.removeprefix(SNAPSHOT), self.system_prompt())
         if ":" not in spec:
-            raise ValueError(f"opponent must be 'random', 'expert' or module:function, not {spec!r}")
+            raise ValueError(f"opponent must be 'random', 'expert', snapshot:PATH or module:function, not {spec!r}")
         return import_object(spec)
 
     def system_prompt(self) -> str:
@@ -200,6 +208,7 @@ class TextArenaEnv(TextEnv):
         self.env.reset(num_players=self.num_players, seed=seed)
         self.rng = random.Random(seed)
         self._result, self._shown, self._text = {}, 0, ""
+        self._opponent_shown: dict[int, int] = {}
         self._play_others()
 
     def _play_others(self) -> bool:
@@ -209,7 +218,9 @@ class TextArenaEnv(TextEnv):
             if player == self.seat:
                 self._text = text
                 return False
-            done, _ = self.env.step(self.opponent(text, self.rng))
+            shown = self._opponent_shown.get(player, 0) if self.snapshot_sees_new else 0
+            self._opponent_shown[player] = len(text)  # a snapshot sees its seat's text as the policy sees its own
+            done, _ = self.env.step(self.opponent(text[shown:], self.rng))
             if done:
                 return self._finish()
 

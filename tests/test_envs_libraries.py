@@ -138,6 +138,27 @@ def test_tictactoe_expert_wins_now_blocks_and_has_no_expert_once_over():
         agentrl.make_env("textarena/ConnectFour-v0", opponent="expert")
 
 
+def test_a_frozen_snapshot_opponent_plays_its_seat_with_the_policys_view(tmp_path):
+    """`opponent: snapshot:PATH`: a model folder (here the tiny model as built) plays the other seat greedily, seeing
+    its seat's newest text as the policy does with `observation: new`."""
+    from agentrl.envs.snapshot_opponent import SnapshotOpponent
+    from agentrl.models.tiny import resolve_model_path
+
+    path = resolve_model_path("builtin:tiny")
+    env = agentrl.make_env("textarena/TicTacToe-v0", opponent=f"snapshot:{path}", observation="new")
+    seen: list[str] = []
+    snapshot = env.opponent
+    env.opponent = lambda text, rng: seen.append(text) or snapshot(text, rng)
+    results = _play(env, range(3), lambda env: env.expert_action())
+    assert set(results) <= {1.0, 0.0} and seen  # it moved (validly or not: TextArena judges), and never won
+    direct = SnapshotOpponent(path, env.system_prompt())
+    assert isinstance(snapshot, SnapshotOpponent) and direct(seen[-1], random.Random(0)) == snapshot(seen[-1], None)
+    rules = sum("three in a row" in text for text in seen)  # the rules: in its first view of each game only
+    assert rules <= 3 < len(seen)  # later views are what is new since its last turn, not the whole log
+    with pytest.raises(ValueError, match="is not a model folder"):
+        agentrl.make_env("textarena/TicTacToe-v0", opponent=f"snapshot:{tmp_path}")
+
+
 @pytest.mark.parametrize("game", GAMES)
 def test_check_env_passes_textarena_games_with_warnings_for_agentrl_only_rules(game):
     report = check_text_env(f"textarena/{game}", {}, episodes=6, seed=0, timeout_s=30)
