@@ -50,7 +50,14 @@ class SGLangEngine(TurnMailbox, GatedEngine):
         self._start_seconds = 0.0
 
     async def start(self) -> dict[str, Any]:
-        """Build the sglang.Engine (lazy import: SGLang needs CUDA); idempotent."""
+        """Build the sglang.Engine (lazy import: SGLang needs CUDA); idempotent.
+
+        Unlike the vLLM engine's, this build stays on the actor's event loop and blocks it while SGLang starts:
+        sglang.Engine.__init__ keeps `asyncio.get_running_loop()` as the loop its TokenizerManager and
+        async_generate run on (in a worker thread it would make a new loop that nothing runs), and its
+        _set_envs_and_config installs a SIGQUIT handler with signal.signal, which only the main thread may do
+        (some SGLang releases skip it off the main thread, not all). Read in sglang's
+        python/sglang/srt/entrypoints/engine.py (main branch; 0.5.23 itself could not be read here)."""
         if self._engine is None:
             from agentrl.rollout.api_guard import check_sglang
 
