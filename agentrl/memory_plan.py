@@ -13,7 +13,10 @@ Assumptions (rough by design; tests/test_memory_plan.py holds it within 0.5x-2x 
   distributed optimizer; its vocab-parallel log-probs hold the whole micro-batch's logit slice in fp32.
 - Activations of one micro-batch of `max(trainer.micro_batch_tokens, envs.max_total_tokens)` tokens (a sample
   longer than the budget gets a micro-batch of its own), memory-efficient attention (no T x T scores); a packed
-  micro-batch under SDPA also holds its T x T bool block mask (flash-attn on CUDA needs none: counted anyway). With
+  micro-batch under SDPA also holds its T x T bool block mask, counted where the trainer's attention
+  (`varlen_attention.choose_attention`, the same decision the ranks make) is SDPA: on CPU, in fp32, or on CUDA
+  with neither flash-attn nor torch's varlen kernel (flash-attention and the varlen kernel need none), and under
+  Megatron-Core, whose micro-batches the worker collates with it. With
   activation checkpointing: every layer's input plus one layer's activations (recomputed in backward); without:
   every layer's activations.
 - Log-prob/entropy logits as the trainer computes them: the head's output over every token of the micro-batch (the
@@ -38,6 +41,7 @@ from pathlib import Path
 
 from agentrl.config import Config, ConfigError
 from agentrl.trainer.losses import LOGIT_CHUNK_ELEMS
+from agentrl.trainer.varlen_attention import choose_attention, reads_packed_boundaries
 
 GiB = 1024**3
 RUNTIME_BYTES = 1 * GiB  # per trainer rank / engine process: CUDA context + allocator slack, or Python + torch
@@ -329,10 +333,11 @@ def resolved_precision(cfg: Config, accelerator: bool) -> tuple[str, bool]:
     return precision, ckpt
 
 
-def trainer_plan(cfg: Config, d: ModelDims, accelerator: bool) -> ActorPlan:
+def trainer_plan(cfg: Config, d: ModelDims, accelerator: bool, platform: str | None = None) -> ActorPlan:
     """One trainer rank's peak: its states (as `trainer.backend` splits them) + one micro-batch's activations and
-    logits."""
+    logits. `platform` (cpu / cuda / npu): where the ranks run (default: cuda for an accelerator)."""
     tc = cfg.trainer
+    platform = platform or ("cuda" if accelerator else "cpu")
     precision, ckpt = resolved_precision(cfg, accelerator)
     a = 2 if precision == "bf16" else 4
     T = micro_batch_tokens(cfg)
@@ -362,8 +367,10 @@ def trainer_plan(cfg: Config, d: ModelDims, accelerator: bool) -> ActorPlan:
             "logits", T * d.vocab * 2 * a + rows * d.vocab * 12,
             f"{T} tokens x {d.vocab} vocab: head output + gradient ({precision}), fp32 softmax {rows} rows at a time",
         ))  # fmt: skip
-    if tc.packing == "packed":
-        comps.append(Component("packed mask", T * T, f"bool {T} x {T} block mask (SDPA; none with flash-attn)"))
+    if tc.packing == "packed":  # the worker collates it unless the model reads the boundaries from the positions
+        attn = "megatron" if megatron else choose_attention(platform, precision == "bf16")
+        if megatron or not reads_packed_boundaries(attn):
+            comps.append(Component("packed mask", T * T, f"bool {T} x {T} block mask ({attn} attention)"))
     runtime = "device context + allocator slack" if accelerator else "Python + torch + transformers"
     comps.append(Component("runtime", RUNTIME_BYTES, runtime))
     return ActorPlan("trainer rank", tc.num_ranks, comps)
@@ -479,7 +486,7 @@ def make_plan(
         device_bytes,
         device_source,
         settings,
-        trainer_plan(cfg, d, accelerator),
+        trainer_plan(cfg, d, accelerator, platform),
         engine_plan(cfg, d, accelerator, device_bytes),
     )
     plan.problems = _problems(plan, cfg)
@@ -496,7 +503,7 @@ def _gib(x: float) -> str:
 def _fits(cfg: Config, plan: MemoryPlan) -> bool:
     """Whether the trainer side of `cfg` fits (what-if checks of the remedies)."""
     accelerator = plan.platform != "cpu"
-    t = trainer_plan(cfg, plan.dims, accelerator)
+    t = trainer_plan(cfg, plan.dims, accelerator, plan.platform)
     if not accelerator:
         engines = plan.engine.total * plan.engine.count if plan.engine else 0.0
         return t.total * t.count + engines <= plan.device_bytes

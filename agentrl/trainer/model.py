@@ -14,6 +14,7 @@ from torch import nn
 
 from agentrl.trainer.losses import MODEL_DIST, SamplingDist, token_logprobs
 from agentrl.trainer.prompt_sharing import SharingPlan, plan_sharing, shared_logits
+from agentrl.trainer.varlen_attention import reads_packed_boundaries
 
 
 class ValueModel(nn.Module):
@@ -85,18 +86,25 @@ def _forward_params(cls: type) -> frozenset[str]:
     return frozenset(inspect.signature(cls.forward).parameters)
 
 
-def uses_flash_attention(model: nn.Module) -> bool:
+def attention_of(model: nn.Module) -> str:
+    """The model's transformers attention implementation ("" when it has none)."""
     config = getattr(model, "config", None) or getattr(getattr(model, "model", None), "config", None)
-    return (getattr(config, "_attn_implementation", None) or "").startswith("flash")
+    return getattr(config, "_attn_implementation", None) or ""
+
+
+def runs_varlen(model: nn.Module) -> bool:
+    """Whether `model`'s attention reads a packed row's sequences from the position ids (flash-attention, or
+    agentrl's varlen attention: `varlen_attention`), so that a packed micro-batch needs no T x T mask."""
+    return reads_packed_boundaries(attention_of(model))
 
 
 def model_mask(model: nn.Module, mask: torch.Tensor) -> torch.Tensor | None:
     """The attention mask to hand the model. A packed row's [1, 1, T, T] block-diagonal mask is only the SDPA
-    fallback: flash-attention models get None and HF runs variable-length attention, the sequence boundaries
+    fallback: varlen models (`runs_varlen`) get None and run variable-length attention, the sequence boundaries
     read from where the position ids restart. For them the worker collates packed rows without the block mask
     (`collate(block_mask=False)`: a [1, T] mask, no T x T tensor at all), and a single row has no padding, so
     both become None. Padded [rows, T] masks of several rows pass unchanged."""
-    if not uses_flash_attention(model):
+    if not runs_varlen(model):
         return mask
     return None if mask.dim() == 4 or mask.shape[0] == 1 else mask
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from agentrl.trainer.batching import shared_prefix
+from agentrl.trainer.varlen_attention import takes_dense_masks
 
 MIN_SHARED_TOKENS = 16  # per row: sharing saves less than this -> the extra model calls cost more than they save
 
@@ -112,9 +113,10 @@ def model_calls(model: nn.Module, plan: SharingPlan | None) -> int:
 
 
 def _takes_custom_masks(model: nn.Module) -> bool:
-    """SDPA (and eager) attention take any [rows, 1, q, k] mask; flash kernels only padding or packed rows."""
+    """SDPA (and agentrl's varlen attention, through SDPA) take any [rows, 1, q, k] mask; flash kernels only
+    padding or packed rows."""
     config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) == "sdpa"
+    return takes_dense_masks(getattr(config, "_attn_implementation", None) or "")
 
 
 def _prefix_cache(model: nn.Module, plan: SharingPlan, rows: int) -> tuple[object | None, list[torch.Tensor]]:

@@ -18,7 +18,7 @@ from torch import nn
 
 from agentrl.config.schema import TrainerConfig
 from agentrl.platform import Platform
-from agentrl.trainer import lora
+from agentrl.trainer import lora, varlen_attention
 from agentrl.trainer.model import ValueModel, decoder_layers
 
 Role = Literal["policy", "reference", "critic"]
@@ -37,18 +37,12 @@ def resolve_checkpointing(tc: TrainerConfig, platform: Platform) -> bool:
 
 
 def attn_implementation(platform: Platform, compute: torch.dtype) -> str:
-    """flash_attention_2 in bf16 on CUDA when flash-attn is installed, and on Ascend NPU, where transformers
-    routes it to torch_npu's fused attention (`integrations.npu_flash_attention`, no flash-attn package): packed
-    micro-batches then run as variable-length attention from their position ids (see `model_mask`). SDPA with
-    the dense mask otherwise."""
-    if platform.kind == "npu" and compute == torch.bfloat16:
-        return "flash_attention_2"
-    if platform.kind == "cuda" and compute == torch.bfloat16:
-        from transformers.utils import is_flash_attn_2_available
-
-        if is_flash_attn_2_available():
-            return "flash_attention_2"
-    return "sdpa"
+    """The attention a model built here gets (`varlen_attention.choose_attention`: flash_attention_2 on Ascend NPU
+    and on CUDA with flash-attn, torch's varlen kernel on CUDA without it, SDPA otherwise), registered with
+    transformers when it is agentrl's own. Packed micro-batches then run as variable-length attention from their
+    position ids (see `model_mask`), except under SDPA, which takes the dense block mask."""
+    attn = varlen_attention.choose_attention(platform.kind, compute == torch.bfloat16)
+    return varlen_attention.register() if attn == varlen_attention.VARLEN else attn
 
 
 def _hf_config(path: str):

@@ -40,7 +40,7 @@ from agentrl.trainer.batching import (
 from agentrl.trainer.checkpoint import copy_hf_side_files, rng_state, set_rng_state
 from agentrl.trainer.collectives import RankSums, check_device, compute_tensors, gather_dicts, host_all_reduce
 from agentrl.trainer.loss_terms import RL_SUMS
-from agentrl.trainer.model import uses_flash_attention
+from agentrl.trainer.model import runs_varlen
 from agentrl.trainer.rl_batch import (
     RLBatch,
     episode_token_weights,
@@ -150,7 +150,7 @@ class TrainerRank(WarmStartSteps, WeightPublisher):
     def _batch(self, samples: list[Sample], idx: list[int], fields: dict[str, dict[int, list[float]]]) -> dict:
         """Collate micro-batch `idx` onto the rank's device; an empty one is a 2-token dummy, loss mask 0 (keeps
         FSDP in step)."""
-        layout, block_mask = self.tc.packing, not uses_flash_attention(self.model)
+        layout, block_mask = self.tc.packing, not runs_varlen(self.model)
         if not idx:
             batch = collate([[self.pad_id] * 2], {k: [[0.0, 0.0]] for k in fields}, layout, self.pad_id, block_mask)
         else:
