@@ -190,6 +190,13 @@ def peak_gib(smoke: Smoke) -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
+def attention_of(model) -> str:
+    """The attention implementation the rank's model runs (sdpa, flash_attention_2, agentrl_varlen)."""
+    from agentrl.trainer.model import attention_of as attn
+
+    return attn(model)
+
+
 def on_policy(rank, samples: list) -> list:
     """The batch with the rank's own log-probs as behaviour log-probs (an on-policy batch)."""
     lp = rank.compute_logprobs(samples)
@@ -225,9 +232,11 @@ def trainer_memory(smoke: Smoke) -> list[dict]:
         with rank_of(cfg, path) as rank:
             on_policy(rank, samples)
             steps = [rank.train_step(samples) for _ in range(2)]
-        plan = mp.trainer_plan(cfg, dims, accelerator=not smoke.cpu)
+            attn = attention_of(rank.model)
+        plan = mp.trainer_plan(cfg, dims, accelerator=not smoke.cpu, platform=smoke.device)
         lines.append({
             "case": case,
+            "attention": attn,
             "params": dims.params,
             "precision": smoke.precision,
             "tokens_per_step": sum(len(x.token_ids) for x in samples),
@@ -258,10 +267,15 @@ def logprob_accuracy(smoke: Smoke) -> list[dict]:
             plain = rank.compute_logprobs(samples)
         finally:
             prompt_sharing.MIN_SHARED_TOKENS = plain_min
+    # On a CUDA node without flash-attn the packed rank runs torch's varlen kernel (agentrl_varlen, chosen by
+    # trainer.varlen_attention.choose_attention): packed_vs_pad is then that kernel's check against the pad layout's
+    # SDPA, the one the CPU tests can only make with a stand-in.
     with rank_of(trainer_config(smoke, "trainer.packing=packed"), path) as rank:
         packed = rank.compute_logprobs(samples)
+        packed_attn = attention_of(rank.model)
     return [{
         "precision": smoke.precision,
+        "packed_attention": packed_attn,
         "vs_fp32": diff(pad, fp32, samples),
         "packed_vs_pad": diff(packed, pad, samples),
         "shared_prompts_vs_plain": {**diff(pad, plain, samples), "sharing_ran": shared_ran},
