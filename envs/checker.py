@@ -12,7 +12,6 @@ import time
 import warnings
 from typing import Any
 
-import gymnasium as gym
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.envs.base import REQUIRED_METRICS, TextEnv
@@ -74,7 +73,7 @@ def check_text_env(
 
 
 def _gymnasium_checks(env_id: str, kwargs: dict[str, Any]) -> list[str]:
-    env = gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    env = make_env(env_id, **kwargs)
     problems = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -14,6 +14,7 @@ LIBRARIES: dict[str, tuple[str, str, str]] = {
     "reasoning_gym": ("reasoning_gym", "reasoning-gym", "agentrl.envs.reasoning_gym_env"),
     "textarena": ("textarena", "textarena", "agentrl.envs.textarena_env"),
     "skyrl_gym": ("skyrl_gym", "skyrl-gym", "agentrl.envs.skyrl_gym_env"),
+    "gem": ("gem", "gem-llm", "agentrl.envs.gem_env"),
 }
 EXTRA = "envlibs"
 _done: set[str] = set()

@@ -96,8 +96,8 @@ def _builds_text_env(creator: Any) -> bool:
 def make_env(env_id: str, **kwargs: Any) -> TextEnv:
     """Build a registered text env; returns the `TextEnv` itself (gymnasium's bookkeeping wrappers are
     dropped: a text env enforces its own turn limit, and callers need `system_prompt()` and friends)."""
-    env_spec(env_id)
-    env = gym.make(env_id, disable_env_checker=True, **kwargs).unwrapped
+    spec = env_spec(env_id)  # made from its spec: gym.make would read an id with ":" (gem/game:X) as module:id
+    env = gym.make(spec, disable_env_checker=True, **kwargs).unwrapped
     if not isinstance(env, TextEnv):
         raise TypeError(
             f"{env_id} builds {type(env).__name__}, not a TextEnv; wrap it with agentrl.envs.GymTextAdapter"

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from agentrl.envs.base import Move, TextEnv
+from agentrl.envs.library_errors import offline_data_error
 from agentrl.plugins import import_object
 
 PREFIX = "textarena/"
@@ -175,15 +176,7 @@ class TextArenaEnv(TextEnv):
             with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # nltk's download attempts
                 return self.textarena.make(self.game)
         except LookupError as err:
-            found = re.search(r"Resource '?([\w.-]+)'? not found", str(err))
-            resource = found.group(1) if found else "its data"
-            import nltk
-
-            raise ValueError(
-                f"textarena/{self.game} needs the nltk data {resource!r}, which it could not download here: run "
-                f"`python -m nltk.downloader {resource}` where there is network and copy it into one of "
-                f"{', '.join(nltk.data.path[:3])} (or set NLTK_DATA)"
-            ) from None
+            raise offline_data_error(f"textarena/{self.game}", err) from None
 
     def _opponent(self, spec: str) -> Callable[[str, random.Random], str]:
         if spec == "random":

@@ -64,6 +64,7 @@ def test_envs_lists_the_installed_libraries():
     table = json.loads(out.stdout)
     families = [i for i in table if i.startswith("reasoning_gym/")]
     assert len(families) >= 100 and table["reasoning_gym/basic_arithmetic"]["task"] == "basic_arithmetic"
+    assert table["gem/game:Sokoban-v0-easy"]["env"] == "game:Sokoban-v0-easy"  # GEM's ids, under its prefix
 
 
 GAMES = ["TicTacToe-v0", "ConnectFour-v0", "Nim-v0", "GuessTheNumber-v0", "Mastermind-v0"]
@@ -248,3 +249,52 @@ def test_the_preflight_check_builds_a_self_play_env_as_a_seat_and_refuses_one_wi
     sokoban = ("envs.train.box", "agentrl/SimpleSokoban-v0", {}, 0, None, True)
     problem = _make_each_env([sokoban], 30.0)
     assert problem is not None and problem.startswith("envs.train.box.self_play: agentrl/SimpleSokoban-v0 has no seats")
+
+
+GEM_GAMES = ["game:Sokoban-v0-easy", "game:GuessTheNumber-v0-easy", "game:Minesweeper-v0-easy", "rg:basic_arithmetic"]
+
+
+def test_a_gem_game_is_an_env_by_gems_own_id_judged_by_gem():
+    env = agentrl.make_env("gem/game:GuessTheNumber-v0-easy")
+    obs, _ = env.reset(seed=4)
+    assert "Guess The Number" in obs and obs.endswith("Enter your next guess.")  # GEM's text, then its suffix
+    assert agentrl.make_env("gem/game:GuessTheNumber-v0-easy").reset(seed=4)[0] == obs  # reproducible per seed
+    low, high = 1, 10  # binary search on GEM's own hints: it wins, by GEM's reward
+    for _ in range(4):
+        guess = (low + high) // 2
+        obs, reward, terminated, truncated, info = env.step(f"My guess: \\boxed{{{guess}}}")
+        if terminated:
+            break
+        low, high = (guess + 1, high) if "higher" in obs else (low, guess - 1)
+    assert terminated and not truncated and reward == 1.0 and info["metrics"]["success"] == 1.0
+    env.reset(seed=4)
+    obs, reward, terminated, _, info = env.step("no box here")  # GEM's own rule: a format error ends the game
+    assert terminated and info["metrics"]["success"] == 0.0 and "valid" in obs
+
+
+@pytest.mark.parametrize("env_id", GEM_GAMES)
+def test_check_env_passes_gem_envs_with_warnings_for_agentrl_only_rules(env_id):
+    report = check_text_env(f"gem/{env_id}", {}, episodes=4, seed=0, timeout_s=60)
+    assert report["ok"], report["violations"]
+    assert any("unparsable_is_noop" in w or "gymnasium" in w for w in report["warnings"])
+
+
+def test_gem_envs_that_fetch_data_are_one_line_errors_at_construction(tmp_path, monkeypatch):
+    monkeypatch.setenv("NLTK_DATA", str(tmp_path))  # an empty data folder: nltk's corpus is not there
+    for env_id, says in [("gem/game:Wordle-v0-easy", "needs the nltk data 'words'"),
+                         ("gem/math:GSM8K", "loads its tasks from the Hugging Face hub")]:  # fmt: skip
+        out = subprocess.run([sys.executable, "-m", "agentrl", "check-env", env_id], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1 and says in lines[0], out.stderr
+
+
+def test_gem_resets_are_reproducible_beside_other_threads():
+    """GEM seeds the global RNGs in reset: under the adapter's lock, concurrent resets still give each seed's level."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = {seed: agentrl.make_env("gem/game:Sokoban-v0-easy").reset(seed=seed)[0] for seed in range(8)}
+    envs = [agentrl.make_env("gem/game:Sokoban-v0-easy") for _ in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: envs[i].reset(seed=i)[0], range(8)))
+    assert got == [want[i] for i in range(8)] and len(set(got)) > 1
