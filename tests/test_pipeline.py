@@ -158,6 +158,10 @@ def test_the_warm_start_cache_key_leaves_out_rl_only_settings(tiny_model_path):
     assert key() == key("seed=7") == key("trainer.optim.lr=0.002", "trainer.total_steps=99")
     assert key() == key("trainer.optim.schedule=linear", "trainer.optim.warmup_steps=5")
     assert key() != key("trainer.sft.lr=0.01") and key() != key("trainer.optim.betas=[0.9,0.95]")
+    # how RL groups episodes does not shape a demo; the env's own settings do
+    grouping = ("envs.train.sokoban.group_size=8", "envs.train.sokoban.groups_per_batch=5")
+    assert key() == key(*grouping) == key("envs.train.sokoban.self_play=true")
+    assert key() != key("envs.train.sokoban.max_turns=6") != key("envs.train.sokoban.kwargs={mark_revisits: true}")
     # LoRA's full warm start is full fine-tuning's (the adapters start on its result); an adapters-only one is not
     assert key() == key("trainer.lora.rank=8") == key("trainer.lora.rank=16")
     adapters = "trainer.lora.warm_start=adapters"

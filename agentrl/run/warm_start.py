@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError
-from agentrl.config.schema import Config, TrainEnvConfig
+from agentrl.config.schema import Config, EnvConfig, TrainEnvConfig
 from agentrl.envmanager.chat import ChatTokens
 from agentrl.envmanager.episode import Messages, tool_contents
 from agentrl.envmanager.manager import FirstOfKind, build_toolboxes
@@ -189,7 +189,10 @@ def warm_start_cache(cfg: Config, model_path: str) -> Path | None:
         "agentrl": __version__,
         "model": [str(Path(model_path).resolve()), cfg.model.revision, cfg.model.tokenizer, weights],
         "sft": sft.model_dump(exclude={"cache"}),
-        "train_envs": {tag: spec.model_dump() for tag, spec in cfg.envs.train.items()},
+        # what shapes a demo (the env, its kwargs, turn limit, seeds, tools, agent); not how RL groups episodes
+        "train_envs": {
+            tag: spec.model_dump(include=set(EnvConfig.model_fields)) for tag, spec in cfg.envs.train.items()
+        },
         "prompts": [cfg.envs.sample_mode, cfg.envs.turn_history_window, DEMO_FORMAT],
         "tools": cfg.tools.model_dump(),  # schemas in the prompt, results read back
         "agents": _agent_sources(cfg),  # an agent program plays its own demos: its code shapes them
