@@ -155,6 +155,10 @@ def test_full_warm_start_fine_tunes_every_weight_then_the_adapters_start_on_its_
     shutil.rmtree(tmp_path / "base")
     with pytest.raises(FileNotFoundError, match=r"LoRA adapters whose base .*/base is gone"):
         export_hf(tmp_path / "ckpt", tmp_path / "merged-again")
+    orphan = _rank(tiny_model_path, "trainer.lora.rank=8", "trainer.sft.lr=1e-3")
+    with pytest.raises(FileNotFoundError, match=r"the LoRA base .*/base is gone"):  # every rank raises, together
+        orphan.load_checkpoint(str(tmp_path / "ckpt"))
+    _close(orphan)
 
 
 def test_lora_config_errors_are_one_line() -> None:

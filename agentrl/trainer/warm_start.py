@@ -15,11 +15,12 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from agentrl.config.schema import TrainerConfig
 from agentrl.trainer import loss_terms
 from agentrl.trainer.backends import TrainOptimizer
-from agentrl.trainer.collectives import RankSums
+from agentrl.trainer.collectives import RankSums, host_all_reduce
 from agentrl.trainer.loss_terms import SFT_SUMS
 from agentrl.types import Sample
 
@@ -86,7 +87,12 @@ class WarmStartSteps:
     def _rebase(self, path: str) -> None:
         """Collective: the policy rebuilt with fresh adapters on the HF model at `path`, and a fresh RL optimizer
         (after a full warm start; or before a checkpoint's adapters load onto the base they were trained on)."""
-        if not os.path.exists(os.path.join(path, "config.json")) and self.rank == 0:
+        # Rank 0 reads the base; every rank learns whether it is there, so all raise together (none waits in the
+        # build's broadcast for a rank 0 that gave up).
+        gone = torch.tensor([int(self.rank == 0 and not os.path.exists(os.path.join(path, "config.json")))])
+        if dist.is_initialized():
+            host_all_reduce(gone)
+        if gone.item():
             raise FileNotFoundError(f"the LoRA base {path} is gone (a full warm start's weights, which the "
                                     "checkpoints of this run do not hold): restore it to resume or export")  # fmt: skip
         del self.model
