@@ -95,10 +95,10 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
     from agentrl.examples.sokoban_openai_agent import MOVE
     from agentrl.gateway.server import Gateway
     from agentrl.rollout.engine_client import EngineClient
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
 
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    engines = start_engines(RolloutConfig(num_engines=1), model_path)
+    engines = start_engines(EngineSpec(RolloutConfig(num_engines=1), model_path))
     router = start_router(engines, RolloutConfig(num_engines=1))
     client = EngineClient(router)
     tok = AutoTokenizer.from_pretrained(model_path)

@@ -65,7 +65,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
     from agentrl.config.schema import RolloutConfig
     from agentrl.models.tiny import resolve_model_path
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
 
     model = resolve_model_path(args.model)
     cfg = RolloutConfig(num_engines=1)
@@ -88,7 +88,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     raw_start = time.perf_counter() - t0
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
     t0 = time.perf_counter()
-    engines = start_engines(cfg, model)
+    engines = start_engines(EngineSpec(cfg, model))
     router = start_router(engines, cfg)
     ray_start = time.perf_counter() - t0
 

@@ -173,7 +173,7 @@ async def _collective_parts(sync: Any, trainer: Any, router: Any, version: int) 
 async def measure(model: str, path: str, syncs: int, copies: int) -> dict[str, Any]:
     from agentrl.config.schema import RolloutConfig
     from agentrl.platform import CPU
-    from agentrl.rollout.fleet import engine_kwargs, engine_options, start_router
+    from agentrl.rollout.fleet import EngineSpec, engine_kwargs, engine_options, start_router
     from agentrl.run.weights import WeightSync
     from agentrl.trainer import TrainerGroup
     from agentrl.weightsync.buckets import DEFAULT_BUCKET_BYTES
@@ -181,7 +181,7 @@ async def measure(model: str, path: str, syncs: int, copies: int) -> dict[str, A
     out: dict[str, Any] = {"model_path": path}
     rcfg = RolloutConfig(num_engines=1)
     t0 = time.perf_counter()
-    options, kwargs = engine_options(rcfg, CPU, None, 0), engine_kwargs(rcfg, path, 0)
+    options, kwargs = engine_options(rcfg, CPU, None, 0), engine_kwargs(EngineSpec(rcfg, path))
     # worker_call sends a function to vLLM's engine core process (pickled): only this benchmark's engine allows it
     options["runtime_env"]["env_vars"]["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     engine = ray.remote(BenchEngine).options(**options).remote(**kwargs)
@@ -269,7 +269,7 @@ async def measure_lora(model: str, path: str, syncs: int, rank: int) -> dict[str
     for adapters also brings the base)."""
     from agentrl.config import load_config
     from agentrl.platform import CPU
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
     from agentrl.run.weights import WeightSync
     from agentrl.trainer import TrainerGroup
 
@@ -279,7 +279,7 @@ async def measure_lora(model: str, path: str, syncs: int, rank: int) -> dict[str
                                   f"name=bench-lora-{model}-{mode}-{how}"])  # fmt: skip
 
     base_cfg = cfg("collective", "adapter")
-    engines = start_engines(base_cfg.rollout, path, lora=base_cfg.trainer.lora)
+    engines = start_engines(EngineSpec(base_cfg.rollout, path, lora=base_cfg.trainer.lora))
     router = start_router(engines, base_cfg.rollout)
     trainer = TrainerGroup(base_cfg, path)
     out: dict[str, Any] = {"rank": rank}

@@ -102,10 +102,10 @@ def ray_session():
 def vllm_fleet(ray_session, tiny_model_path):
     """Two real vLLM-CPU engine actors on the tiny model and a router actor in front of them (started once)."""
     from agentrl.config.schema import RolloutConfig
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
 
     cfg = RolloutConfig(num_engines=2, kv_cache_gib=TEST_KV_CACHE_GIB)
-    engines = start_engines(cfg, tiny_model_path)
+    engines = start_engines(EngineSpec(cfg, tiny_model_path))
     router = start_router(engines, cfg)
     yield cfg, engines, router
     for handle in [*engines, router]:

@@ -17,7 +17,7 @@ import pytest
 from agentrl.config import Config, ConfigError
 from agentrl.placement import Placement, actor_options, bundle, create_placement
 from agentrl.platform import CPU, platform_choice, platform_for, run_platform, worker_env
-from agentrl.rollout.fleet import engine_kwargs, engine_options
+from agentrl.rollout.fleet import EngineSpec, engine_kwargs, engine_options
 from agentrl.run.startup import check_cluster_resources
 
 CUDA, NPU = platform_for("cuda", 8), platform_for("npu", 8)
@@ -64,7 +64,8 @@ def test_engine_options_carry_the_platform_and_tensor_parallel_devices() -> None
     opts = engine_options(ro, CUDA, None, 0)
     assert opts["num_gpus"] == 2 and opts["resources"] == {"node2": 1.0} and opts["num_cpus"] == 0
     assert opts["runtime_env"]["env_vars"]["AGENTRL_PLATFORM"] == "cuda"
-    assert engine_kwargs(ro, "/m", seed=3) == {"model_path": "/m", "cfg": ro, "seed": 3}  # one settings object
+    assert engine_kwargs(EngineSpec(ro, "/m", seed=3)) == {"model_path": "/m", "cfg": ro, "seed": 3}  # one settings
+    assert engine_kwargs(EngineSpec(ro, "/m", seed=3), index=2)["seed"] == 5  # engine i samples with seed + i
     cpu = engine_options(_cfg().rollout, CPU, None, 0)
     assert cpu["runtime_env"]["env_vars"]["AGENTRL_PLATFORM"] == "cpu" and "resources" not in cpu
     remote = _cfg(rollout={"backend": "remote", "url": "http://x", "tensor_parallel_size": 2}).rollout
@@ -139,7 +140,7 @@ def _cluster_scenario() -> dict:
 
     fleet.engine_class = lambda backend: FakeEngine
     ro = _cfg(rollout={"num_engines": 2, "ray_resources": {"node_a": 1}}).rollout
-    engines = fleet.create_engines(ro, "unused-model", platform=CPU)
+    engines = fleet.create_engines(fleet.EngineSpec(ro, "unused-model"), platform=CPU)
     table = placement_group_table(engines.placement.group)
     out["pg"] = [engines.placement.group.id.hex(), table["strategy"], list(table["bundles"].values())]
     out["engines"] = ray.get([h.where.remote() for h in engines])
@@ -152,8 +153,7 @@ def _cluster_scenario() -> dict:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
             break
         time.sleep(0.05)
-    restart = fleet.engine_factory(ro, "unused-model", 0, placement=engines.placement)
-    out["restarted"] = ray.get(restart(1).where.remote(), timeout=60)
+    out["restarted"] = ray.get(engines.factory(1).where.remote(), timeout=60)  # the router's restart path
 
     class FakeRank:
         """A stand-in trainer rank (no model): reports the environment and placement Ray gave it."""

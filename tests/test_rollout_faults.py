@@ -16,7 +16,7 @@ import pytest
 from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import EngineDeadError, EngineError, RetryableEngineError
 from agentrl.rollout.engine_client import EngineClient
-from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.fleet import EngineSpec, engine_factory, start_engines, start_router
 from agentrl.rollout.health import HealthPolicy, fleet_metrics
 from agentrl.rollout.partial import generate_resumable
 from agentrl.rollout.router import Router
@@ -446,10 +446,11 @@ async def test_killed_vllm_engine_core_is_drained_reported_and_restarted(vllm_fl
     EngineDeadError out of the router; now the engine is drained, counted, restarted and rejoins."""
     _, fleet_engines, _ = vllm_fleet
     cfg = RolloutConfig(num_engines=2, restart_engines=1, kv_cache_gib=TEST_KV_CACHE_GIB)
-    (victim,) = start_engines(cfg, tiny_model_path, seed=1, count=1)
+    (victim,) = start_engines(EngineSpec(cfg, tiny_model_path, seed=1), count=1)
     # The health loop would find the dead core too, and kill the actor this test polls: this drill is about
     # update_weights meeting the dead core, so the health loop stays out of the way (one round per 60 s).
-    router = start_router([fleet_engines[0], victim], cfg, model_path=tiny_model_path, interval_s=60)
+    restart = engine_factory(EngineSpec(cfg, tiny_model_path))  # unplaced
+    router = start_router([fleet_engines[0], victim], cfg, restart=restart, interval_s=60)
     try:
         version = (await fleet_engines[0].stats.remote())["version"]  # the shared engine keeps its version
         await router.update_weights.remote(tiny_model_path, version)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from agentrl.config.schema import RolloutConfig, SamplingConfig
 from agentrl.rollout.base import RetryableEngineError
-from agentrl.rollout.fleet import start_engines, start_router
+from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
 from agentrl.rollout.partial import generate_resumable
 from tests.router_probes import engines_alive, sticky_engine
 
@@ -119,7 +119,7 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     fleet, ray_session, tiny_model_path
 ):
     cfg, engines, _ = fleet
-    (victim,) = start_engines(cfg, tiny_model_path, seed=7, count=1)
+    (victim,) = start_engines(EngineSpec(cfg, tiny_model_path, seed=7), count=1)
     router = start_router([victim, engines[1]], cfg)
     sampling = SamplingConfig(max_tokens=5000, temperature=1.0, ignore_eos=True)
     # pin an episode to the victim: engine 0 is chosen first when both are idle
@@ -134,7 +134,7 @@ async def test_killed_engine_fails_fast_and_survivor_serves_then_replacement_rej
     outs = await asyncio.gather(*(router.generate.remote(f"n{i}", PROMPT, quick, f"n{i}") for i in range(6)))
     assert {o.engine for o in outs} == {1}
     assert await engines_alive(router) == [False, True]
-    (replacement,) = start_engines(cfg, tiny_model_path, seed=8, count=1)
+    (replacement,) = start_engines(EngineSpec(cfg, tiny_model_path, seed=8), count=1)
     await router.replace_engine.remote(0, replacement)
     assert await router.check_health.remote() == [True, True]
     ray_session.kill(router)

@@ -152,12 +152,12 @@ async def test_engines_serve_the_adapters_and_a_sync_moves_only_them(ray_session
     its base, which an engine holding another base loads first."""
     import os
 
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
 
     cfg = load_config(None, ["trainer.optim.lr=0.01", "trainer.algorithm.loss=ppo_clip", "trainer.lora.rank=8",
                              "rollout.weight_sync=collective", "name=sync-adapters", "trainer.sft.lr=0.01",
                              f"rollout.kv_cache_gib={TEST_KV_CACHE_GIB}"])  # fmt: skip
-    engines = start_engines(cfg.rollout, tiny_model_path, lora=cfg.trainer.lora)
+    engines = start_engines(EngineSpec(cfg.rollout, tiny_model_path, lora=cfg.trainer.lora))
     router = start_router(engines, cfg.rollout)
     trainer = TrainerGroup(cfg, tiny_model_path)
     sync = WeightSync(cfg, trainer, router, CPU)

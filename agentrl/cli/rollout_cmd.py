@@ -37,7 +37,7 @@ def _fleet(cfg, model_path: str, ref: str | None = None) -> list:
     actors get instead of the local `model_path` (a hub id, which each resolves on its own node)."""
     from agentrl.envmanager.manager import start_managers
     from agentrl.platform import cluster_platform
-    from agentrl.rollout.fleet import start_engines, start_router
+    from agentrl.rollout.fleet import EngineSpec, start_engines, start_router
     from agentrl.run.preflight import check_before_ray
     from agentrl.run.startup import check_before_start, init_ray
 
@@ -46,8 +46,8 @@ def _fleet(cfg, model_path: str, ref: str | None = None) -> list:
     platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (maybe GPU-less) node's
     check_before_start(cfg, model_path, platform)
     ref = ref or model_path
-    engines = start_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform)
-    router = start_router(engines, cfg.rollout, model_path=ref, seed=cfg.seed)
+    engines = start_engines(EngineSpec(cfg.rollout, ref, cfg.seed), platform=platform)
+    router = start_router(engines, cfg.rollout, restart=engines.factory)
     return start_managers(cfg, ref, router)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -31,25 +32,35 @@ def engine_class(backend: str) -> type:
     raise ValueError(f"unknown rollout backend {backend!r}")
 
 
-def engine_kwargs(
-    cfg: RolloutConfig, model_path: str, seed: int, index: int = 0, lora: LoraConfig | None = None
-) -> dict[str, Any]:
-    """The engine class's arguments; `lora`: the adapters it serves (vllm only)."""
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine of a fleet is made from: a restart makes engine `index` again from the same spec."""
+
+    cfg: RolloutConfig
+    model_path: str
+    seed: int = 0  # engine i samples with seed + i
+    lora: LoraConfig | None = None  # the adapters the engines serve (trainer.lora with sync: adapter; vllm only)
+
+
+def engine_kwargs(spec: EngineSpec, index: int = 0) -> dict[str, Any]:
+    """Engine `index`'s constructor arguments."""
+    cfg = spec.cfg
     if cfg.backend == "remote":
         # rollout.url may list several servers, comma-separated: engine i talks to server i (round robin).
         urls = [u.strip() for u in (cfg.url or "").split(",") if u.strip()]
         return {"url": urls[index % len(urls)], "request_timeout_s": cfg.request_timeout_s, **cfg.engine_kwargs}
-    return {"model_path": model_path, "cfg": cfg, "seed": seed, **({"lora": lora} if lora is not None else {})}
+    lora = {"lora": spec.lora} if spec.lora is not None else {}
+    return {"model_path": spec.model_path, "cfg": cfg, "seed": spec.seed + index, **lora}
 
 
 class Engines(list):
-    """Engine handles as `create_engines` made them, remembering their platform and placement so that
-    `start_router` re-creates a dead engine i in bundle i. A plain list works too (restarts are then unplaced)."""
+    """Engine handles as `create_engines` made them, with the factory that made them (engine i in bundle i of
+    their placement), for `start_router(engines, cfg, restart=engines.factory)` to restart a dead one."""
 
-    def __init__(self, handles: list[Any], platform: Platform, placement: Placement | None) -> None:
+    def __init__(self, handles: list[Any], placement: Placement | None, factory: EngineFactory) -> None:
         super().__init__(handles)
-        self.platform = platform
         self.placement = placement
+        self.factory = factory
 
     def remove_placement(self) -> None:
         """Free the engines' device reservation once they are killed."""
@@ -82,64 +93,30 @@ def engine_options(cfg: RolloutConfig, platform: Platform, placement: Placement 
     return {"max_concurrency": 4096, **slot.options(index), "runtime_env": {"env_vars": env}}
 
 
-def _create(
-    cfg: RolloutConfig,
-    model_path: str,
-    seed: int,
-    index: int = 0,
-    platform: Platform | None = None,
-    placement: Placement | None = None,
-    lora: LoraConfig | None = None,
-) -> Any:
-    platform = platform or cluster_platform()
+def _create(spec: EngineSpec, index: int, platform: Platform, placement: Placement | None) -> Any:
     return (
-        ray.remote(engine_class(cfg.backend))
-        .options(**engine_options(cfg, platform, placement, index))
-        .remote(**engine_kwargs(cfg, model_path, seed, index, lora))
+        ray.remote(engine_class(spec.cfg.backend))
+        .options(**engine_options(spec.cfg, platform, placement, index))
+        .remote(**engine_kwargs(spec, index))
     )
 
 
-def _create_at(
-    cfg: RolloutConfig,
-    model_path: str,
-    seed: int,
-    index: int,
-    platform: Platform | None = None,
-    placement: Placement | None = None,
-    lora: LoraConfig | None = None,
-) -> Any:
-    return _create(cfg, model_path, seed + index, index, platform, placement, lora)
-
-
 def engine_factory(
-    cfg: RolloutConfig,
-    model_path: str,
-    seed: int = 0,
-    platform: Platform | None = None,
-    placement: Placement | None = None,
-    lora: LoraConfig | None = None,
+    spec: EngineSpec, platform: Platform | None = None, placement: Placement | None = None
 ) -> EngineFactory:
     """Engine `index` made anew exactly as create_engines made it (not started), in bundle `index` of `placement`:
     the router's restart path. `platform` defaults to the one of the connected Ray cluster (`cluster_platform`)."""
     platform = platform or (placement.platform if placement is not None else cluster_platform())
-    return functools.partial(_create_at, cfg, model_path, seed, platform=platform, placement=placement, lora=lora)
+    return functools.partial(_create, spec, platform=platform, placement=placement)
 
 
-def create_engines(
-    cfg: RolloutConfig,
-    model_path: str,
-    seed: int = 0,
-    count: int | None = None,
-    platform: Platform | None = None,
-    lora: LoraConfig | None = None,
-) -> Engines:
+def create_engines(spec: EngineSpec, count: int | None = None, platform: Platform | None = None) -> Engines:
     """`count` (default rollout.num_engines) engine actors in their placement group, created but not started (no
-    weights loaded yet): a caller can check things in between, then `start_created`. `lora`: the adapters the
-    engines serve (trainer.lora with sync: adapter)."""
+    weights loaded yet): a caller can check things in between, then `start_created`."""
     platform = platform or cluster_platform()
-    placement = engine_placement(cfg, platform, count)
-    make = engine_factory(cfg, model_path, seed, platform, placement, lora)
-    return Engines([make(i) for i in range(count or cfg.num_engines)], platform, placement)
+    placement = engine_placement(spec.cfg, platform, count)
+    make = engine_factory(spec, platform, placement)
+    return Engines([make(i) for i in range(count or spec.cfg.num_engines)], placement, make)
 
 
 def start_created(engines: list[Any]) -> list[Any]:
@@ -148,33 +125,18 @@ def start_created(engines: list[Any]) -> list[Any]:
     return engines
 
 
-def start_engines(
-    cfg: RolloutConfig,
-    model_path: str,
-    seed: int = 0,
-    count: int | None = None,
-    platform: Platform | None = None,
-    lora: LoraConfig | None = None,
-) -> Engines:
+def start_engines(spec: EngineSpec, count: int | None = None, platform: Platform | None = None) -> Engines:
     """`count` (default rollout.num_engines) engine actors, started in parallel (weights loaded)."""
-    return start_created(create_engines(cfg, model_path, seed, count, platform, lora))
+    return start_created(create_engines(spec, count, platform))
 
 
 def start_router(
-    engines: list[Any],
-    cfg: RolloutConfig,
-    model_path: str | None = None,
-    seed: int = 0,
-    lora: LoraConfig | None = None,
-    **health_overrides: Any,
+    engines: list[Any], cfg: RolloutConfig, restart: EngineFactory | None = None, **health_overrides: Any
 ) -> Any:
-    """The router actor. With `model_path` (and the `seed` given to start_engines) it restarts a dead engine up to
-    rollout.restart_engines times, in the dead engine's placement bundle when `engines` came from create_engines;
-    without, dead engines are only drained and reported. `health_overrides`: HealthPolicy fields (tests)."""
-    restart = None
-    if model_path is not None:
-        platform, placement = getattr(engines, "platform", None), getattr(engines, "placement", None)
-        restart = engine_factory(cfg, model_path, seed, platform, placement, lora)
+    """The router actor. With `restart` (`Engines.factory` of engines from create_engines, or any
+    `engine_factory`) it restarts a dead engine up to rollout.restart_engines times, through that factory (in the
+    dead engine's placement bundle for `Engines.factory`); without, dead engines are only drained and reported.
+    `health_overrides`: HealthPolicy fields (tests)."""
     health = HealthPolicy(**health_overrides)
     return (
         ray.remote(Router)

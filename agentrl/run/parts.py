@@ -16,7 +16,7 @@ from agentrl.config import Config, ConfigError
 from agentrl.models.hub import model_ref
 from agentrl.models.tiny import resolve_model_path
 from agentrl.platform import cluster_platform
-from agentrl.rollout.fleet import create_engines, start_router
+from agentrl.rollout.fleet import EngineSpec, create_engines, start_router
 from agentrl.run.startup import check_before_start
 from agentrl.run.warm_start import is_cached, warm_start_cache
 
@@ -88,8 +88,8 @@ def start_parts(cfg: Config, run_dir: Path) -> RunParts:
     platform = cluster_platform(cfg.platform)  # from the cluster's resources, not this (head) node's devices
     check_before_start(cfg, model_path, platform)
     lora = cfg.trainer.lora if cfg.trainer.lora is not None and cfg.trainer.lora.sync == "adapter" else None
-    engines = create_engines(cfg.rollout, ref, seed=cfg.seed, platform=platform, lora=lora)
-    router = start_router(engines, cfg.rollout, model_path=ref, seed=cfg.seed, lora=lora)
+    engines = create_engines(EngineSpec(cfg.rollout, ref, cfg.seed, lora), platform=platform)
+    router = start_router(engines, cfg.rollout, restart=engines.factory)
     disk = cfg.rollout.resolved_weight_sync == "disk"
 
     def load() -> EngineLoading:
