@@ -5,9 +5,10 @@ GEM envs are gym-like text envs already: `reset(seed) -> (text, info)`, `step(te
 truncated, info)`, moves in `\\boxed{}`. The observation is GEM's text followed by its `info["suffix"]` (the board
 and the question for the next move), as GEM's own agents read it; GEM's reward, termination and turn limit are the
 episode's. Success is ending the episode (not by the turn limit) with GEM's success reward (1.0). GEM seeds Python's
-and numpy's global RNGs in `reset`, so resets (and GEM's random moves) take a process-wide lock: envs on the env
-manager's threads stay reproducible per seed. What an env fetches from the network (nltk corpora, hub datasets) is
-a one-line error at construction.
+and numpy's global RNGs in `reset` and draws from them in some steps (2048's new tiles), so each env runs its calls
+under a process-wide lock with its own RNG states swapped in: envs on the env manager's threads stay reproducible
+per seed, and nothing else's random stream moves. What an env fetches from the network (nltk corpora, hub
+datasets) is a one-line error at construction.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import contextlib
 import io
 import random
 import threading
+from collections.abc import Iterator
 from typing import Any
+
+import numpy as np
 
 from agentrl.envs.base import TextEnv
 from agentrl.envs.library_errors import offline_data_error
 
 PREFIX = "gem/"
 SUCCESS_REWARD = 1.0  # gem.utils.constants.LanguageGameReward.success_reward
-_GLOBAL_RNG = threading.Lock()  # GEM's reset seeds random / numpy globally
+_GLOBAL_RNG = threading.Lock()  # GEM seeds and draws from random / numpy's global RNGs
 
 
 class GEMEnv(TextEnv):
@@ -44,12 +48,28 @@ class GEMEnv(TextEnv):
             raise (offline_data_error(self.env_id, err) or err) from None
         self._system = system_prompt or "Think briefly, then give your answer or move in \\boxed{}."
         self._text, self._done = "", False
+        self._rngs: tuple[Any, Any] | None = None  # this env's (random, numpy) states between its calls
+
+    @contextlib.contextmanager
+    def _own_rngs(self) -> Iterator[None]:
+        """GEM's global RNG draws, made this env's own: its states in for the call, the process's back after."""
+        with _GLOBAL_RNG:
+            saved = random.getstate(), np.random.get_state()
+            if self._rngs is not None:
+                random.setstate(self._rngs[0])
+                np.random.set_state(self._rngs[1])
+            try:
+                yield
+            finally:
+                self._rngs = random.getstate(), np.random.get_state()
+                random.setstate(saved[0])
+                np.random.set_state(saved[1])
 
     def system_prompt(self) -> str:
         return self._system
 
     def _new_episode(self, seed: int, options: dict[str, Any]) -> None:
-        with _GLOBAL_RNG:
+        with self._own_rngs():
             text, info = self.inner.reset(seed=seed)
         self._text, self._done, self._success = self._with_suffix(text, info), False, False
 
@@ -65,7 +85,8 @@ class GEMEnv(TextEnv):
         """GEM's own step: its reward, its end, its next text."""
         if not isinstance(action, str):
             raise TypeError(f"{type(self).__name__}.step expects model output text, got {type(action).__name__}")
-        text, reward, terminated, truncated, info = self.inner.step(action)
+        with self._own_rngs():
+            text, reward, terminated, truncated, info = self.inner.step(action)
         self.turns += 1
         reward = float(reward)
         self._done = bool(terminated or truncated)

@@ -289,12 +289,24 @@ def test_gem_envs_that_fetch_data_are_one_line_errors_at_construction(tmp_path, 
         assert out.returncode == 2 and len(lines) == 1 and says in lines[0], out.stderr
 
 
-def test_gem_resets_are_reproducible_beside_other_threads():
-    """GEM seeds the global RNGs in reset: under the adapter's lock, concurrent resets still give each seed's level."""
+def test_gem_episodes_are_reproducible_beside_other_threads():
+    """GEM seeds the global RNGs in reset and draws from them in steps (2048's new tiles): with each env's own RNG
+    states swapped in, episodes on concurrent threads play exactly as they do alone, and the process's RNG is
+    left where it was."""
     from concurrent.futures import ThreadPoolExecutor
 
-    want = {seed: agentrl.make_env("gem/game:Sokoban-v0-easy").reset(seed=seed)[0] for seed in range(8)}
-    envs = [agentrl.make_env("gem/game:Sokoban-v0-easy") for _ in range(8)]
-    with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda i: envs[i].reset(seed=i)[0], range(8)))
-    assert got == [want[i] for i in range(8)] and len(set(got)) > 1
+    moves = ["\\boxed{up}", "\\boxed{left}", "\\boxed{down}", "\\boxed{right}"] * 3
+
+    def play(env, seed: int) -> list[str]:
+        seen = [env.reset(seed=seed)[0]]
+        return seen + [env.step(move)[0] for move in moves]
+
+    alone = {seed: play(agentrl.make_env("gem/game:Game2048-v0-easy"), seed) for seed in range(6)}
+    envs = [agentrl.make_env("gem/game:Game2048-v0-easy") for _ in range(6)]
+    random.seed(123)
+    before = random.random()
+    random.seed(123)
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(lambda i: play(envs[i], i), range(6)))
+    assert together == [alone[i] for i in range(6)] and len({t[-1] for t in together}) > 1
+    assert random.random() == before  # GEM's draws came from the envs' own states
