@@ -14,7 +14,6 @@ datasets) is a one-line error at construction.
 from __future__ import annotations
 
 import contextlib
-import io
 import random
 import threading
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from agentrl.envs.base import TextEnv
+from agentrl.envs.libraries import quiet
 from agentrl.envs.library_errors import offline_data_error
 
 PREFIX = "gem/"
@@ -40,9 +40,8 @@ class GEMEnv(TextEnv):
         import gem
 
         self.env_id = f"{PREFIX}{env}"
-        quiet = io.StringIO()
         try:
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # nltk's download attempts
+            with quiet():  # nltk's download attempts
                 self.inner = gem.make(env, **(env_kwargs or {}))
         except Exception as err:
             raise (offline_data_error(self.env_id, err) or err) from None
@@ -124,10 +123,7 @@ class GEMEnv(TextEnv):
 
 def register() -> list[str]:
     """Register `gem/<id>` for every env of the installed GEM (importing it imports GEM's env modules' registry)."""
-    import warnings
-
-    with warnings.catch_warnings():  # its dependencies' own SyntaxWarnings (cellpylib) on first import
-        warnings.simplefilter("ignore", SyntaxWarning)
+    with quiet():  # its dependencies' own SyntaxWarnings (cellpylib) on first import
         from gem.envs.registration import ENV_REGISTRY
 
     from agentrl.envs.registry import register_env

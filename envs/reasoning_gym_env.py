@@ -43,13 +43,12 @@ class ReasoningGymEnv(TaskEnv):
 
 def register() -> list[str]:
     """Register `reasoning_gym/<task>` for every family of the installed reasoning-gym; returns the ids."""
-    import warnings
-
-    with warnings.catch_warnings():  # its dependencies' own SyntaxWarnings (cellpylib) on first import
-        warnings.simplefilter("ignore", SyntaxWarning)
-        from reasoning_gym.factory import DATASETS
-
+    from agentrl.envs.libraries import quiet
     from agentrl.envs.registry import register_env
+
+    with quiet():  # its dependencies' own SyntaxWarnings (cellpylib) on first import
+        import reasoning_gym  # noqa: F401  (the package first: its modules fill the factory's registry)
+        from reasoning_gym.factory import DATASETS
 
     ids = []
     for name in sorted(DATASETS):

@@ -19,9 +19,7 @@ seat has moved or the game is over; each seat's reward and metrics are its own.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import io
 import operator
 import random
 import re
@@ -30,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from agentrl.envs.base import Move, TextEnv
+from agentrl.envs.libraries import quiet
 from agentrl.envs.library_errors import offline_data_error
 from agentrl.plugins import import_object
 
@@ -152,7 +151,7 @@ class TextArenaEnv(TextEnv):
         """`table`: self-play, this seat of the game the episodes naming the same table share (the other seats
         are played by their own episodes; `opponent` is unused); `wait_s` bounds the wait for them."""
         super().__init__(max_steps=max_steps, **text_kwargs)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with quiet():
             import textarena  # its games try nltk downloads on import: offline, their noise is not ours to print
 
         if observation not in ("full", "new"):
@@ -171,9 +170,8 @@ class TextArenaEnv(TextEnv):
 
     def _make(self) -> Any:
         """A fresh game; data it cannot fetch (nltk corpora, offline) is one line naming what to download."""
-        quiet = io.StringIO()
         try:
-            with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # nltk's download attempts
+            with quiet():  # nltk's download attempts
                 return self.textarena.make(self.game)
         except LookupError as err:
             raise offline_data_error(f"textarena/{self.game}", err) from None

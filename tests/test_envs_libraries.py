@@ -310,3 +310,23 @@ def test_gem_episodes_are_reproducible_beside_other_threads():
         together = list(pool.map(lambda i: play(envs[i], i), range(6)))
     assert together == [alone[i] for i in range(6)] and len({t[-1] for t in together}) > 1
     assert random.random() == before  # GEM's draws came from the envs' own states
+
+
+RACE = """
+import sys
+from concurrent.futures import ThreadPoolExecutor
+import agentrl
+ids = ["reasoning_gym/basic_arithmetic", "gem/game:Sokoban-v0-easy", "textarena/Nim-v0"] * 4
+with ThreadPoolExecutor(len(ids)) as pool:
+    envs = list(pool.map(agentrl.make_env, ids))
+print(sorted({type(e).__name__ for e in envs}))
+"""
+
+
+def test_library_envs_built_on_many_threads_at_once_in_a_fresh_process():
+    """An env manager builds envs on several threads: the first ids of a library register it once, whole, while
+    the other threads wait (without the lock a thread read reasoning-gym's registry half-filled)."""
+    out = subprocess.run([sys.executable, "-c", RACE], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "['GEMEnv', 'ReasoningGymEnv', 'TextArenaEnv']"
+    assert "nltk_data" not in out.stdout + out.stderr  # the libraries' import noise is not ours to print
