@@ -95,12 +95,12 @@ class SyncError(RuntimeError):
     process that raises it stays usable and drops the group, and the next sync builds a new one."""
 
 
-# How the NCCL / HCCL watchdog of a weight-sync group handles a timeout or a peer's error: 2 (CleanUpOnly) aborts
-# that group's communicators and leaves the process alone. torch's default (3, SkipCleanUp) and torch_npu's
-# TearDown (1) take the whole process down: right for the training group, where a rank that goes on alone would
-# compute garbage, wrong for this one, whose peers are engines that may die (and are restarted) at any time.
-# Both read the variable when a group is constructed, so setting it around the construction is per group (a
-# user's setting for the training group is left as it was).
+# How the NCCL watchdog of a weight-sync group handles a timeout or a peer's error: 2 (CleanUpOnly) aborts that
+# group's communicators and leaves the process alone. torch's default (3, SkipCleanUp) takes the whole process down:
+# right for the training group, where a rank that goes on alone would compute garbage, wrong for this one, whose
+# peers are engines that may die (and are restarted) at any time. NCCL reads the variable when a group is
+# constructed, so setting it around the construction is per group (a user's setting for the training group is left
+# as it was). HCCL groups are vllm-ascend's own communicator (`HcclGroup`), bounded by their own timeout.
 _ERROR_HANDLING_VARS = {"nccl": "TORCH_NCCL_ASYNC_ERROR_HANDLING"}
 _CLEAN_UP_ONLY = "2"
 _env_lock = threading.Lock()
