@@ -7,17 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from agentrl.envs import make_env
 from agentrl.envs.remote_openenv import RemoteEnvSettings, _text_field, schema_fields
 from agentrl.envserve.server import create_app
 from agentrl.tools.serve import ServerThread
-from tests.servers import free_port
+from tests.servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 OPENENV_PYTHON = ROOT / ".venv-openenv" / "bin" / "python"
@@ -34,21 +32,11 @@ def genuine_server():
     """The reverse-the-word env on openenv's own server, in its own process."""
     port = free_port()
     script = ROOT / "tests" / "openenv_genuine" / "reverse_server.py"
-    proc = subprocess.Popen([_openenv_python(), str(script), str(port)], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([_openenv_python(), str(script), str(port)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120  # openenv imports ~100 packages: ~10 s here, more under load
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"the openenv server did not start: {proc.stdout.read()[-2000:]}")
-            time.sleep(0.3)
+        wait_until_healthy(proc, url, timeout_s=120)  # openenv imports ~100 packages: ~10 s here, more under load
         yield url
     finally:
         proc.terminate()

@@ -247,7 +247,9 @@ def test_engine_start_leaves_the_loop_free_and_a_refused_prefix_reset_is_retried
         held = asyncio.ensure_future(
             engine.generate(PROMPT, SamplingConfig(max_tokens=2000, ignore_eos=True, temperature=1.0), "held")
         )
-        while not (await engine.stats())["tokens_streaming"]:
+        deadline = time.monotonic() + 120
+        while not (await engine.stats())["tokens_streaming"]:  # the held request is generating
+            assert time.monotonic() < deadline, "the held request never started generating"
             await asyncio.sleep(0.02)
         await engine._reset_prefix_cache()
         assert resets == [({}, False), ({"reset_running_requests": True}, True)] and not engine._broken
