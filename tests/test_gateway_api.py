@@ -59,14 +59,19 @@ async def gateway(tok):
     await gw.stop()
 
 
-def _client(gw: Gateway, key: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=key, max_retries=0)
+@pytest.fixture(params=["http", "in_process"])
+def client_for(request, gateway):
+    """An SDK client for an episode key: over loopback HTTP (what an agent command uses), or in process through
+    `Gateway.client` (what an agent function gets: the same app called without a socket)."""
+    if request.param == "in_process":
+        return lambda key: gateway.client(key, timeout=30)
+    return lambda key: openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key=key, max_retries=0)
 
 
-async def test_tool_call_round_trip_reuses_the_episode_tokens(gateway, tok):
+async def test_tool_call_round_trip_reuses_the_episode_tokens(gateway, client_for, tok):
     s = gateway.open("ep-1", SamplingConfig(max_tokens=200), max_calls=4)
     gateway.engine.script += [CALL, "<answer>done</answer>"]
-    client = _client(gateway, s.key)
+    client = client_for(s.key)
     messages = list(START)
     r1 = await client.chat.completions.create(model="agentrl", messages=messages, tools=[MOVE])
     msg = r1.choices[0].message
@@ -85,10 +90,10 @@ async def test_tool_call_round_trip_reuses_the_episode_tokens(gateway, tok):
     assert set(t.main.versions) == {-1, 3}
 
 
-async def test_streaming_gives_the_same_completion(gateway):
+async def test_streaming_gives_the_same_completion(gateway, client_for):
     s = gateway.open("ep-2", SamplingConfig(max_tokens=200), max_calls=4)
     gateway.engine.script += ["Going up. " + CALL]
-    stream = await _client(gateway, s.key).chat.completions.create(
+    stream = await client_for(s.key).chat.completions.create(
         model="agentrl", messages=START, tools=[MOVE], stream=True, stream_options={"include_usage": True}
     )
     content, calls, finish, usage = "", {}, None, None
@@ -106,10 +111,10 @@ async def test_streaming_gives_the_same_completion(gateway):
     assert usage.completion_tokens == len(s.transcript.turns[0].token_ids)
 
 
-async def test_stop_strings_and_logprobs(gateway, tok):
+async def test_stop_strings_and_logprobs(gateway, client_for, tok):
     s = gateway.open("ep-3", SamplingConfig(max_tokens=200), max_calls=4)
     gateway.engine.script += ["<answer>Up</answer> and then more"]
-    r = await _client(gateway, s.key).chat.completions.create(
+    r = await client_for(s.key).chat.completions.create(
         model="agentrl", messages=START, stop=["</answer>"], logprobs=True
     )
     assert r.choices[0].message.content == "<answer>Up" and r.choices[0].finish_reason == "stop"
@@ -119,26 +124,26 @@ async def test_stop_strings_and_logprobs(gateway, tok):
     assert "".join(c.token for c in r.choices[0].logprobs.content) == tok.decode(turn.token_ids)
 
 
-async def test_keys_isolate_episodes(gateway):
+async def test_keys_isolate_episodes(gateway, client_for):
     a = gateway.open("ep-a", SamplingConfig(max_tokens=50), max_calls=4)
     b = gateway.open("ep-b", SamplingConfig(max_tokens=50), max_calls=4)
     gateway.engine.script += ["from a", "from b"]
-    await _client(gateway, a.key).chat.completions.create(model="agentrl", messages=START)
-    await _client(gateway, b.key).chat.completions.create(model="agentrl", messages=START)
+    await client_for(a.key).chat.completions.create(model="agentrl", messages=START)
+    await client_for(b.key).chat.completions.create(model="agentrl", messages=START)
     assert [e for e, _ in gateway.engine.prompts] == ["ep-a", "ep-b"]
     assert a.transcript.messages[-1]["content"] == "from a" and b.transcript.messages[-1]["content"] == "from b"
     gateway.close(a)
     with pytest.raises(openai.AuthenticationError):  # a finished episode's key is dead
-        await _client(gateway, a.key).chat.completions.create(model="agentrl", messages=START)
+        await client_for(a.key).chat.completions.create(model="agentrl", messages=START)
     with pytest.raises(openai.AuthenticationError):
-        await _client(gateway, "guess").models.list()
-    models = await _client(gateway, b.key).models.list()
+        await client_for("guess").models.list()
+    models = await client_for(b.key).models.list()
     assert [m.id for m in models.data] == ["agentrl"]
 
 
-async def test_bad_requests_get_openai_style_4xx(gateway):
+async def test_bad_requests_get_openai_style_4xx(gateway, client_for):
     s = gateway.open("ep-bad", SamplingConfig(max_tokens=50), max_calls=1)
-    client = _client(gateway, s.key)
+    client = client_for(s.key)
     expected = [
         (dict(model="gpt-4o", messages=START), openai.NotFoundError, "does not exist"),
         (dict(model="agentrl", messages=START, n=2), openai.BadRequestError, "n"),
@@ -169,9 +174,9 @@ async def test_bad_requests_get_openai_style_4xx(gateway):
     await raw.aclose()
 
 
-async def test_the_episode_token_limit_is_a_4xx_and_bounds_the_budget(gateway, tok):
+async def test_the_episode_token_limit_is_a_4xx_and_bounds_the_budget(gateway, client_for, tok):
     s = gateway.open("ep-long", SamplingConfig(max_tokens=500), max_calls=8)
-    client = _client(gateway, s.key)
+    client = client_for(s.key)
     long_obs = [START[0], {"role": "user", "content": "word " * 1990}]
     with pytest.raises(openai.BadRequestError) as info:
         await client.chat.completions.create(model="agentrl", messages=long_obs)

@@ -30,6 +30,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from agentrl.fast_path import FastHandler, serve_fast, takes_json
 from agentrl.tools.core import SessionStore, Tool, ToolResult
 from agentrl.tools.mcp_server import add_mcp
 
@@ -38,7 +39,7 @@ OPEN_PATHS = frozenset({"/health"})  # liveness probes need no token; they revea
 # Session ids travel in JSON bodies, never in paths: env managers use ids like "train/sokoban/3/0".
 SessionId = Annotated[str, Field(min_length=1, max_length=256)]
 # A tool call validated ahead of FastAPI: body -> the response, or None to hand the request to the route.
-FastCall = Callable[[bytes], Awaitable[Response | None]]
+FastCall = FastHandler  # one per tool's call route: (body, headers) -> its answer, or None to hand on
 
 
 class SessionRequest(BaseModel):
@@ -221,7 +222,7 @@ def _add_call_route(app: FastAPI, t: Tool, sessions: SessionStore, limiter: _Lim
     request_model = _call_model(t)
     validate_json = request_model.model_validate_json
 
-    async def fast_call(body: bytes) -> Response | None:
+    async def fast_call(body: bytes, headers: dict[bytes, bytes]) -> Response | None:
         try:
             req = validate_json(body)
         except ValidationError:
@@ -306,7 +307,7 @@ class GuardMiddleware:
             elif _content_length(headers) > self.max_body:
                 await _reject(send_wrapper, 413, f"request body over {self.max_body} bytes")
             elif (fast := self._fast_call(scope, headers)) is not None:
-                await self._call_fast(fast, scope, receive, send_wrapper)
+                await serve_fast(fast, self.app, scope, receive, send_wrapper, self.max_body, self._too_large)
             else:
                 await self.app(scope, self._limited(receive), send_wrapper)
         finally:
@@ -337,43 +338,10 @@ class GuardMiddleware:
         fast = self.fast_calls.get(scope["path"])
         if fast is None:
             return None
-        content_type = headers.get(b"content-type", b"")
-        if content_type == b"application/json" or content_type.partition(b";")[0].strip().lower() == JSON_TYPE:
-            return fast
-        return None  # FastAPI reads other types (and +json ones) its own way
+        return fast if takes_json(headers) else None
 
-    async def _call_fast(self, fast: FastCall, scope: dict, receive: Any, send: Any) -> None:
-        """Read the body (within the limit), then answer from the fast path, or hand the request, body
-        included, to the FastAPI route."""
-        chunks = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # http.disconnect: nobody is waiting for an answer
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body:
-                await _reject(send, 413, f"request body over {self.max_body} bytes")
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        response = await fast(body)
-        if response is not None:
-            await response(scope, receive, send)
-            return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
+    async def _too_large(self, send: Any) -> None:
+        await _reject(send, 413, f"request body over {self.max_body} bytes")
 
     def _authorized(self, headers: dict[bytes, bytes]) -> bool:
         auth = headers.get(b"authorization", b"")
@@ -394,7 +362,6 @@ class GuardMiddleware:
         return wrapped
 
 
-JSON_TYPE = b"application/json"
 _json_str = functools.lru_cache(maxsize=4096)(json.dumps)  # a few distinct paths, clients and methods
 
 

@@ -53,7 +53,6 @@ class AgentDemos:
 
     async def aclose(self) -> None:
         await self.gateway.stop()
-        await self.episodes.aclose()
 
     async def play(self, tag: str, spec: TrainEnvConfig, seed: int, i: int) -> list[Sample]:
         """Demo episode `i` of agent env `tag` on task `seed`: its model turns as samples."""

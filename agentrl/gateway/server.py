@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -24,13 +25,16 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.config.schema import SamplingConfig
 from agentrl.envmanager.chat import ChatTokens
+from agentrl.fast_path import FastHandler, serve_fast, takes_json
 from agentrl.gateway import openai_api as api
 from agentrl.gateway.transcript import Prompt, Transcript, template_message
 from agentrl.rollout.partial import generate_resumable
@@ -106,6 +110,8 @@ class Gateway:
         self._chats: dict[str, ChatTokens] = {}
         self._server: Any = None
         self._serving: asyncio.Task | None = None
+        self._asgi: Any = None  # the served app, body limit included (over sockets and in process alike)
+        self._in_process: Any = None  # httpx client that calls self._asgi directly (see client())
         self.url = ""
         self.socket_path = ""  # the Unix socket agent commands reach it through (agentrl.gateway.commands)
 
@@ -128,9 +134,8 @@ class Gateway:
             self._chats[key] = ChatTokens(self.tokenizer, tools)
         return self._chats[key]
 
-    def session_for(self, authorization: str | None) -> Session:
-        scheme, _, key = (authorization or "").partition(" ")
-        session = self.sessions.get(key.strip()) if scheme.lower() == "bearer" else None
+    def session_for(self, key: str | None) -> Session:
+        session = self.sessions.get(key or "")
         if session is None:
             raise GatewayError(
                 401, "unknown or finished episode key (each episode gets its own key)", "invalid_api_key"
@@ -241,14 +246,49 @@ class Gateway:
                 )
         return {"role": "assistant", "content": text}, finish
 
+    async def answer(self, session: Session, req: api.ChatRequest) -> Response:
+        """The HTTP answer to one chat-completions call: the completion, or its stream of chunks."""
+        task = asyncio.current_task()
+        session.running.add(task)
+        try:
+            reply = await self.complete(session, req)
+        finally:
+            session.running.discard(task)
+        cid = api.completion_id()
+        if not req.stream:
+            body = api.completion(cid, req.model, reply.message, reply.finish, reply.usage, reply.logprobs)
+            return JSONResponse(body)
+        usage = reply.usage if req.stream_options and req.stream_options.include_usage else None
+        events = api.chunks(cid, req.model, reply.message, reply.finish, usage, reply.logprobs)
+        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return StreamingResponse(iter([body]), media_type="text/event-stream")
+
+    async def _fast_completion(self, body: bytes, headers: dict[bytes, bytes]) -> Response | None:
+        """The chat-completions route's fast path (agentrl.fast_path): a call with a live key and a valid body is
+        answered here; any other goes to the route, which answers it (401, 400 naming the field, ...)."""
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        session = self.sessions.get(key.strip().decode("latin-1")) if scheme.lower() == b"bearer" else None
+        if session is None:
+            return None
+        try:
+            req = api.ChatRequest.model_validate_json(body)
+        except ValidationError:
+            return None
+        try:
+            return await self.answer(session, req)
+        except GatewayError as err:
+            return err.response()
+
     # HTTP
 
     def app(self) -> FastAPI:
         app = FastAPI(title="agentrl agent gateway", version="1")
         gateway = self
 
-        def session(authorization: str | None = Header(None)) -> Session:
-            return gateway.session_for(authorization)
+        bearer = HTTPBearer(auto_error=False, description="the episode's key")  # in the OpenAPI doc too
+
+        async def session(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> Session:
+            return gateway.session_for(credentials.credentials if credentials else None)  # async: no thread hop
 
         _openai_error_bodies(app)
 
@@ -282,20 +322,8 @@ class Gateway:
             return result._asdict()
 
         @app.post("/v1/chat/completions", response_model=None)
-        async def chat_completions(req: api.ChatRequest, s: Session = Depends(session)):
-            task = asyncio.current_task()
-            s.running.add(task)
-            try:
-                reply = await gateway.complete(s, req)
-            finally:
-                s.running.discard(task)
-            cid = api.completion_id()
-            if not req.stream:
-                return api.completion(cid, req.model, reply.message, reply.finish, reply.usage, reply.logprobs)
-            usage = reply.usage if req.stream_options and req.stream_options.include_usage else None
-            events = api.chunks(cid, req.model, reply.message, reply.finish, usage, reply.logprobs)
-            body = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-            return StreamingResponse(iter([body]), media_type="text/event-stream")
+        async def chat_completions(req: api.ChatRequest, s: Session = Depends(session)) -> Response:
+            return await gateway.answer(s, req)
 
         return app
 
@@ -315,8 +343,9 @@ class Gateway:
         unix = socket.socket(socket.AF_UNIX)
         unix.bind(self.socket_path)
         os.chmod(self.socket_path, 0o666)  # the key, not the file mode, is what guards an episode
+        self._asgi = _Guard(self.app(), self.max_body_bytes, self._fast_completion)
         config = uvicorn.Config(
-            _BodyLimit(self.app(), self.max_body_bytes),
+            self._asgi,
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -333,9 +362,29 @@ class Gateway:
         self.url = f"http://{shown}:{bound_port}"
         return self.url
 
+    def client(self, key: str, timeout: float) -> Any:
+        """An `openai.AsyncOpenAI` for an agent running in this process, with episode key `key`.
+
+        It sends its requests to the same app the sockets serve (same routes, validation, limits and error bodies),
+        called in the agent's own task through httpx's ASGI transport rather than over loopback TCP: no socket,
+        HTTP parsing or connection pool on either side, which is most of what a call costs beyond the SDK itself
+        (benchmarks/bench_gateway.py). The agent's base URL stays the gateway's real one. Call after `start()`."""
+        import httpx
+        import openai
+
+        if self._in_process is None:
+            transport = httpx.ASGITransport(self._asgi, raise_app_exceptions=False)  # a bug answers 500, as served
+            self._in_process = httpx.AsyncClient(transport=transport, timeout=timeout)
+        return openai.AsyncOpenAI(
+            base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=timeout, http_client=self._in_process
+        )
+
     async def stop(self) -> None:
         for s in list(self.sessions.values()):
             self.close(s)
+        if self._in_process is not None:
+            await self._in_process.aclose()
+            self._in_process = None
         if self._server is not None:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
@@ -346,24 +395,33 @@ class Gateway:
                 os.rmdir(os.path.dirname(self.socket_path))
 
 
-class _BodyLimit:
-    """Pure-ASGI guard: a request body over the limit, or one of unknown length, is answered before FastAPI reads
-    it (413 / 411, OpenAI-style body)."""
+class _Guard:
+    """Pure ASGI, in front of the app: a request body over the limit, or one of unknown length, is answered before
+    FastAPI reads it (413 / 411, OpenAI-style body); a chat-completions call with a JSON body takes the fast path."""
 
-    def __init__(self, app: Any, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: Any, max_bytes: int, fast_completion: FastHandler):
+        self.app, self.max_bytes, self.fast_completion = app, max_bytes, fast_completion
+        self._too_large = functools.partial(_refuse, status=413, message=f"request body over {max_bytes} bytes")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is None and (b"transfer-encoding", b"chunked") in scope["headers"]:
-                return await self._refuse(scope, receive, send, 411, "send the body with a Content-Length")
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length")
+            if length is None and headers.get(b"transfer-encoding") == b"chunked":
+                return await _refuse(send, 411, "send the body with a Content-Length")
             if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
-                return await self._refuse(scope, receive, send, 413, f"request body over {self.max_bytes} bytes")
+                return await _refuse(send, 413, f"request body over {self.max_bytes} bytes")
+            if scope["path"] == "/v1/chat/completions" and not scope.get("root_path") and takes_json(headers):
+                fast = self.fast_completion
+                return await serve_fast(fast, self.app, scope, receive, send, self.max_bytes, self._too_large)
         await self.app(scope, receive, send)
 
-    async def _refuse(self, scope: dict, receive: Any, send: Any, status: int, message: str) -> None:
-        await JSONResponse(api.error_body(message), status_code=status)(scope, receive, send)
+
+async def _refuse(send: Any, status: int, message: str) -> None:
+    body = json.dumps(api.error_body(message)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _openai_error_bodies(app: FastAPI) -> None:
