@@ -1,7 +1,7 @@
 """Agent gateway overhead: CPU per model call through the gateway vs a direct engine call, and calls/s against
 vLLM's own OpenAI-compatible server on the same model, side by side in one run. Prints one JSON object.
 
-    python benchmarks/bench_gateway.py [--agents 64 256] [--turns 6] [--tokens 16]
+    python benchmarks/bench_gateway.py [--agents 64 256] [--turns 6] [--tokens 16] [--repeats 5]
 
 Every agent plays the same multi-turn conversation: the rules and a Sokoban grid with the `move` tool, then each
 reply and a new grid appended (so the gateway's token reuse path runs, as for a real agent). Every call generates
@@ -19,9 +19,11 @@ exactly `--tokens` tokens (ignore_eos), so each side does the same engine work.
   engine is gone, never beside it), the endpoint a user would point agents at otherwise.
 
 CPU is the machine's (user + system time from /proc/stat, every process: this one, the engine's, Ray's), over the
-calls made, on an otherwise idle machine. `overhead` = (gateway - direct - agent_sdk_alone) / gateway CPU per call:
-the gateway's share of a gateway turn's CPU, the agent's own SDK left out (it costs the same whichever endpoint the
-agent talks to); `overhead_with_sdk` keeps it in. Targets: overhead <= 0.10, `vs_vllm_serve` >= 1.0.
+calls made, on an otherwise idle machine. The sides take turns, `--repeats` runs each, and every figure is the
+median of its side's runs (single runs of one side varied by up to 40% here). `overhead` = (gateway - direct -
+agent_sdk_alone) / gateway CPU per call: the gateway's share of a gateway turn's CPU, the agent's own SDK left out
+(it costs the same whichever endpoint the agent talks to); `overhead_with_sdk` keeps it in. Targets: overhead <=
+0.10, `vs_vllm_serve` >= 1.0.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -49,6 +52,7 @@ def _args() -> argparse.Namespace:
     p.add_argument("--agents", type=int, nargs="+", default=[64, 256])
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5, help="runs of each side, interleaved; medians reported")
     return p.parse_args()
 
 
@@ -77,6 +81,22 @@ async def _measure(play, agents: int, turns: int) -> dict[str, float]:
         "of_it_this_process": 1000 * (time.process_time() - own0) / calls,  # the agents (and the gateway, if any)
         "seconds": seconds,
     }
+
+
+async def _interleaved(plays: dict[str, Any], agents: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Each side measured `--repeats` times, in turn (A B C D A B C D ...), so that the machine's drift between
+    hours and minutes falls on every side alike; each figure is the median of its side's runs."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in plays}
+    for _ in range(args.repeats):
+        for name, play in plays.items():
+            runs[name].append(await _measure(play, agents, args.turns))
+    return {name: _median_of(r) for name, r in runs.items()}
+
+
+def _median_of(runs: list[dict[str, float]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    out["cpu_ms_per_call_runs"] = [round(r["cpu_ms_per_call"], 2) for r in runs]
+    return out
 
 
 def _sdk_player(client_for, model: str, tokens: int, tools: list[dict], extra: dict | None = None):
@@ -163,12 +183,8 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
             in_process = _sdk_player(lambda i, t, gw=gw: gw.client(key_for(i, t), 600), "agentrl", args.tokens, [MOVE])
             over_http = _sdk_player(_http_clients(f"{gw.url}/v1", key_for), "agentrl", args.tokens, [MOVE])
             canned = _sdk_player(_canned_clients(args.tokens), "agentrl", args.tokens, [MOVE])
-            out[str(agents)] = {
-                "direct": await _measure(direct, agents, args.turns),
-                "gateway": await _measure(in_process, agents, args.turns),
-                "gateway_http": await _measure(over_http, agents, args.turns),
-                "agent_sdk_alone": await _measure(canned, agents, args.turns),
-            }
+            plays = {"direct": direct, "gateway": in_process, "gateway_http": over_http, "agent_sdk_alone": canned}
+            out[str(agents)] = await _interleaved(plays, agents, args)
             # every call after an agent's first continued its recorded tokens (one segment per agent)
             out[str(agents)]["gateway"]["history_reused"] = all(len(s.transcript.lines) == 1 for s in sessions)
             await gw.stop()
@@ -209,7 +225,7 @@ async def _vllm_serve_side(model_path: str, args: argparse.Namespace) -> dict[st
             url = f"http://127.0.0.1:{port}/v1"
             clients = _http_clients(url, lambda i, t: "none")
             play = _sdk_player(clients, "tiny", args.tokens, [MOVE], extra={"ignore_eos": True})
-            out[str(agents)] = await _measure(play, agents, args.turns)
+            out[str(agents)] = (await _interleaved({"vllm_serve": play}, agents, args))["vllm_serve"]
         return out
     finally:
         with contextlib.suppress(ProcessLookupError):

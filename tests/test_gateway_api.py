@@ -230,3 +230,34 @@ async def test_fuzzed_requests_never_get_a_5xx(gateway):
     print(f"gateway fuzz: {sum(statuses.values())} requests, statuses {dict(sorted(statuses.items()))}")
     assert not failures, f"{len(failures)} failures, first: {failures[:3]}"
     assert statuses.get(200, 0) > 50 and statuses.get(400, 0) > 50, statuses  # both kinds really ran
+
+
+async def test_off_loopback_needs_a_token_which_guards_the_open_routes(tok, monkeypatch):
+    from agentrl.config.schema import GatewayConfig
+
+    with pytest.raises(ValueError, match="off loopback: set gateway.token_env"):
+        GatewayConfig(host="0.0.0.0")
+    with pytest.raises(ValueError, match="GW_TOKEN_T: the variable is not set"):
+        GatewayConfig(host="0.0.0.0", token_env="GW_TOKEN_T")
+    monkeypatch.setenv("GW_TOKEN_T", "s3cret")
+    assert GatewayConfig(host="0.0.0.0", token_env="GW_TOKEN_T").token() == "s3cret"
+    assert GatewayConfig().token() is None  # loopback: no token needed
+
+    engine = ScriptedEngine(tok)
+    gw = Gateway(tok, engine.generate, token="s3cret")
+    await gw.start()  # loopback here: what the token guards is the same on any address
+    try:
+        async with httpx.AsyncClient(base_url=gw.url) as raw:
+            for path in ("/health", "/openapi.json"):
+                r = await raw.get(path)
+                assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+                assert (await raw.get(path, headers={"Authorization": "Bearer wrong"})).status_code == 401
+                assert (await raw.get(path, headers={"Authorization": "Bearer s3cret"})).status_code == 200
+            assert (await raw.get("/v1/models", headers={"Authorization": "Bearer s3cret"})).status_code == 401
+        s = gw.open("ep-tok", SamplingConfig(max_tokens=20), max_calls=2)  # agents still use their episode's key
+        r = await openai.AsyncOpenAI(base_url=f"{gw.url}/v1", api_key=s.key).chat.completions.create(
+            model="agentrl", messages=START
+        )
+        assert r.choices[0].message.content == "<answer>Up</answer>"
+    finally:
+        await gw.stop()

@@ -6,6 +6,7 @@ tags, tool sets): only there may the command line add keys with `+key=value`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, field_validator, model_validator
@@ -516,7 +517,14 @@ class AsyncConfig(Section):
 class GatewayConfig(Section):
     """The OpenAI-compatible endpoint each env manager serves to agent programs (`envs.<split>.<tag>.agent`)."""
 
-    host: str = Field("127.0.0.1", description="bind address; every route but /health needs an episode's key")
+    host: str = Field(
+        "127.0.0.1", description="bind address; off loopback needs token_env. Agents' routes need an episode's key"
+    )
+    token_env: str | None = Field(
+        None,
+        description="environment variable holding a bearer token for the routes no episode key guards (/health, "
+        "the OpenAPI document); required off loopback, as for serve-tools",
+    )
     model_name: str = Field("agentrl", description="the model id agents must ask for (task.model holds it)")
     agent_timeout_s: PositiveFloat = Field(300.0, description="wall time of one agent episode")
     max_body_bytes: PositiveInt = Field(4 << 20, description="largest request body")
@@ -525,6 +533,22 @@ class GatewayConfig(Section):
         description="jail agent commands (agent: 'cmd: ...'); false only inside a disposable container: they then "
         "reach whatever this machine can",
     )
+
+    @model_validator(mode="after")
+    def _token_off_loopback(self) -> GatewayConfig:
+        from agentrl.tools.serve import is_loopback
+
+        if self.token_env is None and not is_loopback(self.host):
+            raise ValueError(
+                f"gateway.host {self.host} is off loopback: set gateway.token_env to an environment variable holding "
+                "a bearer token (as serve-tools' --token-env), or bind to 127.0.0.1"
+            )
+        if self.token_env is not None and not os.environ.get(self.token_env):
+            raise ValueError(f"gateway.token_env {self.token_env}: the variable is not set or empty")
+        return self
+
+    def token(self) -> str | None:
+        return os.environ[self.token_env] if self.token_env else None
 
 
 class ValidationConfig(Section):

@@ -140,6 +140,7 @@ class EnvManager:
             parser=self.cfg.tools.parser,
             max_total_tokens=self.cfg.envs.max_total_tokens,
             max_body_bytes=g.max_body_bytes,
+            token=g.token(),
         )
         await gateway.start(g.host)  # a free port: one gateway per env manager
         logger.info("env manager %d: agent gateway at %s/v1", self.index, gateway.url)

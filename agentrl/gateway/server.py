@@ -7,7 +7,11 @@ completion whose tokens keep their versions.
 
 Each episode opens a session and gets a random key (32 bytes): the key is the credential, so calls are attributed
 to their episode, one agent cannot reach another's transcript, and a finished or unknown episode's key is a 401.
-The server binds loopback by default; bound elsewhere, the keys still guard every route but /health.
+The server binds loopback by default, and off loopback only with a token (`gateway.token_env`), which then guards
+the routes no episode key does (/health and the OpenAPI document).
+
+Agent functions in this process reach the same app without a socket (`Gateway.client`), and a valid
+chat-completions call skips FastAPI's routing and parsing (agentrl.fast_path); invalid ones get FastAPI's answers.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hmac
 import json
 import logging
 import os
@@ -41,6 +46,8 @@ from agentrl.rollout.partial import generate_resumable
 from agentrl.types import GenOutput
 
 logger = logging.getLogger(__name__)
+# routes no episode key guards; with a token set (required off loopback) they need it
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
 GenerateFn = Callable[[str, list[int], SamplingConfig, str], Awaitable[GenOutput]]
 
 
@@ -99,6 +106,7 @@ class Gateway:
         parser: str = "hermes",
         max_total_tokens: int = 4096,
         max_body_bytes: int = 4 << 20,
+        token: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.generate = generate
@@ -106,6 +114,7 @@ class Gateway:
         self.parser = parser
         self.max_total_tokens = max_total_tokens
         self.max_body_bytes = max_body_bytes
+        self.token = token  # guards the routes no episode key does (OPEN_PATHS); required off loopback
         self.sessions: dict[str, Session] = {}
         self._chats: dict[str, ChatTokens] = {}
         self._server: Any = None
@@ -343,7 +352,7 @@ class Gateway:
         unix = socket.socket(socket.AF_UNIX)
         unix.bind(self.socket_path)
         os.chmod(self.socket_path, 0o666)  # the key, not the file mode, is what guards an episode
-        self._asgi = _Guard(self.app(), self.max_body_bytes, self._fast_completion)
+        self._asgi = _Guard(self.app(), self.max_body_bytes, self._fast_completion, self.token)
         config = uvicorn.Config(
             self._asgi,
             log_level="warning",
@@ -396,16 +405,22 @@ class Gateway:
 
 
 class _Guard:
-    """Pure ASGI, in front of the app: a request body over the limit, or one of unknown length, is answered before
-    FastAPI reads it (413 / 411, OpenAI-style body); a chat-completions call with a JSON body takes the fast path."""
+    """Pure ASGI, in front of the app: the token on the routes no episode key guards (when one is set); a request
+    body over the limit, or one of unknown length, answered before FastAPI reads it (413 / 411); a chat-completions
+    call with a JSON body sent down the fast path. Every refusal has an OpenAI-style body."""
 
-    def __init__(self, app: Any, max_bytes: int, fast_completion: FastHandler):
+    def __init__(self, app: Any, max_bytes: int, fast_completion: FastHandler, token: str | None = None):
         self.app, self.max_bytes, self.fast_completion = app, max_bytes, fast_completion
+        self.token = token.encode() if token else None
         self._too_large = functools.partial(_refuse, status=413, message=f"request body over {max_bytes} bytes")
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
-            headers = dict(scope["headers"])
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.token is not None and scope["path"] in OPEN_PATHS and not self._has_token(headers):
+            return await _refuse(send, 401, "this route needs the gateway's bearer token", "authentication_error")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get(b"content-length")
             if length is None and headers.get(b"transfer-encoding") == b"chunked":
                 return await _refuse(send, 411, "send the body with a Content-Length")
@@ -416,9 +431,13 @@ class _Guard:
                 return await serve_fast(fast, self.app, scope, receive, send, self.max_bytes, self._too_large)
         await self.app(scope, receive, send)
 
+    def _has_token(self, headers: dict[bytes, bytes]) -> bool:
+        scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.token or b"")
 
-async def _refuse(send: Any, status: int, message: str) -> None:
-    body = json.dumps(api.error_body(message)).encode()
+
+async def _refuse(send: Any, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    body = json.dumps(api.error_body(message, kind)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
