@@ -53,6 +53,9 @@ def _import(module: str) -> None:
 def register_library_of(env_id: str) -> bool:
     """Register the ids of the library `env_id` belongs to (False when it names no known library)."""
     prefix = env_id.partition("/")[0]
+    if prefix == "verifiers":  # any verifiers env, by name: it loads in verifiers' own virtualenv (verifiers_env)
+        importlib.import_module("agentrl.envs.verifiers_env").register_id(env_id)
+        return True
     if prefix not in LIBRARIES:
         return False
     with _LOCK:

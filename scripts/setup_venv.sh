@@ -9,7 +9,9 @@
 #     beside CPU torch,
 #  4. a second virtualenv, .venv-openenv, for the suite's genuine OpenEnv server (tests/openenv_genuine): openenv
 #     0.10.0 pins mcp below 2 while agentrl's tool server speaks mcp 2.x, and an env service runs in its own
-#     process anyway (pinned by constraints-openenv.txt).
+#     process anyway (pinned by constraints-openenv.txt),
+#  5. a third, .venv-verifiers, where verifiers environments run (agentrl.envs.verifiers_env): verifiers 0.3.1 pins
+#     mcp below 2 as well (pinned by constraints-verifiers.txt).
 # As root with apt-get, it also installs bubblewrap (`bwrap`) when missing: the python tool refuses to run without it;
 # and chromium with its chromedriver, for the viewer's browser test.
 # Packages go in through uv (from PyPI), which installs the same pinned set several times faster than pip, with
@@ -30,7 +32,9 @@ if (( ${#missing[@]} )) && command -v apt-get >/dev/null && [[ "$(id -u)" == 0 ]
 fi
 stamp="$VENV/.agentrl-setup"
 OPENENV_VENV="${OPENENV_VENV:-.venv-openenv}"
-want="$(cat pyproject.toml constraints-cpu.txt constraints-openenv.txt scripts/setup_venv.sh | sha256sum | cut -c1-16)"
+VERIFIERS_VENV="${VERIFIERS_VENV:-.venv-verifiers}"
+want="$(cat pyproject.toml constraints-cpu.txt constraints-openenv.txt constraints-verifiers.txt scripts/setup_venv.sh \
+  | sha256sum | cut -c1-16)"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -75,5 +79,8 @@ quiet "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec 2>/dev/n
 [[ -x "$OPENENV_VENV/bin/python" ]] || "$PYTHON" -m venv "$OPENENV_VENV"
 TARGET="$OPENENV_VENV/bin/python" uv_install -r constraints-openenv.txt \
   || quiet "$OPENENV_VENV/bin/pip" install -q -r constraints-openenv.txt
+[[ -x "$VERIFIERS_VENV/bin/python" ]] || "$PYTHON" -m venv "$VERIFIERS_VENV"
+TARGET="$VERIFIERS_VENV/bin/python" uv_install -r constraints-verifiers.txt \
+  || quiet "$VERIFIERS_VENV/bin/pip" install -q -r constraints-verifiers.txt
 echo "$want" > "$stamp"
 echo "agentrl: virtualenv $VENV ready in $(( $(date +%s) - start ))s"

@@ -235,7 +235,7 @@ async def test_fuzzed_requests_never_get_a_5xx(gateway):
 async def test_off_loopback_needs_a_token_which_guards_the_open_routes(tok, monkeypatch):
     from agentrl.config.schema import GatewayConfig
 
-    with pytest.raises(ValueError, match="off loopback: set gateway.token_env"):
+    with pytest.raises(ValueError, match=r"off loopback: set gateway\.token_env"):
         GatewayConfig(host="0.0.0.0")
     with pytest.raises(ValueError, match="GW_TOKEN_T: the variable is not set"):
         GatewayConfig(host="0.0.0.0", token_env="GW_TOKEN_T")

@@ -46,8 +46,15 @@ class EnvConfig(Section):
     agent: str | None = Field(
         None,
         description="an agent program (module:function or a registered name) that plays this env through the "
-        "OpenAI-compatible gateway instead of the env manager's own loop",
+        "OpenAI-compatible gateway instead of the env manager's own loop (verifiers/... envs: verifiers' own)",
     )
+
+    @model_validator(mode="after")
+    def _verifiers_play_their_own(self) -> EnvConfig:
+        """A verifiers env drives the model itself: its agent is verifiers' rollout, through the gateway."""
+        if self.env_id.startswith("verifiers/") and self.agent is None:
+            self.agent = "agentrl.envs.verifiers_env:verifiers_agent"
+        return self
 
 
 class TrainEnvConfig(EnvConfig):
