@@ -75,3 +75,12 @@ async def test_verifiers_rollouts_are_gateway_episodes_scored_by_the_rubric(mana
     (failure,) = broken.failures
     assert "verifiers rollout failed" in failure.error and "the env's own bug" in failure.error
     assert not fine.failures and len(fine.samples) == 2  # one env's failure is its episode's only
+
+
+def test_check_env_loads_it_and_checks_its_tasks(capsys):
+    from agentrl.cli import main
+
+    assert main(["check-env", "verifiers/vf_say_number", f"pythonpath=[{ENVS!r}]", "--episodes", "3"]) == 0
+    assert "verifiers/vf_say_number: OK  (8 train / 8 eval tasks" in capsys.readouterr().out
+    assert main(["check-env", "verifiers/no_such_env", f"pythonpath=[{ENVS!r}]", "--episodes", "1"]) == 1
+    assert "FAIL verifiers/no_such_env: verifiers could not load" in capsys.readouterr().err

@@ -90,6 +90,8 @@ def _check(args: argparse.Namespace) -> int:
         args.env_id = REMOTE_ENV_ID
     if args.agent:
         return _check_agent(args, kwargs)
+    if args.env_id.startswith("verifiers/"):
+        return _check_verifiers(args, kwargs)
     try:
         known = env_kwargs(args.env_id)
         unknown = sorted(set(kwargs) - set(known))
@@ -109,6 +111,35 @@ def _check(args: argparse.Namespace) -> int:
     for problem in report["violations"]:
         print(f"agentrl check-env: FAIL {args.env_id}: {problem}", file=sys.stderr)
     return 0 if report["ok"] else 1
+
+
+def _check_verifiers(args: argparse.Namespace, kwargs: dict[str, Any]) -> int:
+    """A verifiers env plays its own episodes (verifiers' rollout through the gateway, scored by its rubric), so
+    there is no move to check here: it must load in its virtualenv and give the same task for the same seed."""
+    from agentrl.envs import make_env
+    from agentrl.envs.verifiers_env import VerifiersError
+
+    seeds = range(args.seed, args.seed + args.episodes)
+    try:
+        env = make_env(args.env_id, **kwargs)
+        first, again = [env.reset(seed=s) for s in seeds], [env.reset(seed=s) for s in seeds]
+    except VerifiersError as err:
+        print(f"agentrl check-env: FAIL {args.env_id}: {err}", file=sys.stderr)
+        return 1
+    except TypeError as err:
+        raise UsageError(f"cannot build {args.env_id} with {kwargs}: {err}") from None
+    problems = []
+    for s, reset, repeated in zip(seeds, first, again, strict=True):
+        if reset != repeated:
+            problems.append(f"reset(seed={s}) gave another task the second time")
+        if not reset[0]:
+            problems.append(f"reset(seed={s}) gave an empty prompt")
+    tasks = env.worker.examples
+    print(f"{args.env_id}: {'FAILED' if problems else 'OK'}  ({tasks['train']} train / {tasks['eval']} eval tasks;")
+    print("  its episodes are verifiers' own rollouts through the gateway: `agentrl rollout` plays them with a model)")
+    for problem in problems:
+        print(f"agentrl check-env: FAIL {args.env_id}: {problem}", file=sys.stderr)
+    return 1 if problems else 0
 
 
 def _print_report(report: dict) -> None:
