@@ -123,7 +123,7 @@ def schema_fields(settings: RemoteEnvSettings, token: str | None) -> tuple[str, 
 
 
 def _is_loopback_url(url: str) -> bool:
-    from agentrl.tools.serve import is_loopback
+    from agentrl.addresses import is_loopback
 
     return is_loopback(urllib.parse.urlsplit(url).hostname or "")
 

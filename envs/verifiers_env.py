@@ -106,8 +106,12 @@ class Worker:
             if self.proc.poll() is not None:
                 raise VerifiersError(f"the verifiers worker exited (code {self.proc.returncode})")
             self._waiting[rid] = future
-            self.proc.stdin.write(json.dumps({"id": rid, **request}) + "\n")
-            self.proc.stdin.flush()
+            try:
+                self.proc.stdin.write(json.dumps({"id": rid, **request}) + "\n")
+                self.proc.stdin.flush()
+            except OSError as err:  # it died between the check and the write
+                self._waiting.pop(rid, None)
+                raise VerifiersError(f"the verifiers worker exited: {err}") from None
         return future
 
     def close(self) -> None:

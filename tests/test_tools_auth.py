@@ -10,9 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentrl.addresses import is_loopback
 from agentrl.tools import ToolClient
 from agentrl.tools.calculator import calculator
-from agentrl.tools.serve import ServeError, ServerThread, check_bind, is_loopback, load_tools_file
+from agentrl.tools.serve import ServeError, ServerThread, check_bind, load_tools_file
 from agentrl.tools.server import create_app
 from tests.servers import free_port, wait_until_healthy
 

@@ -8,7 +8,6 @@ or a whole run config with a `tools:` key; every `python:` tool of every set is 
 from __future__ import annotations
 
 import errno
-import ipaddress
 import json
 import logging
 import socket
@@ -22,6 +21,7 @@ import uvicorn
 import yaml
 from pydantic import ValidationError
 
+from agentrl.addresses import is_loopback
 from agentrl.config.schema import ToolsConfig
 from agentrl.tools.core import Tool
 from agentrl.tools.server import ServerLimits, access_log, create_app
@@ -30,15 +30,6 @@ from agentrl.tools.toolbox import load_python_tool
 
 class ServeError(ValueError):
     """A mistake in what the user asked to serve (bad file, unsafe bind); printed as one line."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def check_bind(host: str, token: str | None) -> None:

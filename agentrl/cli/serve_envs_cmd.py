@@ -32,10 +32,11 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from agentrl.addresses import is_loopback
     from agentrl.envs import UnknownEnvError, make_env
     from agentrl.envserve.server import EnvServerLimits
     from agentrl.envserve.workers import PoolConfig, WorkerPool
-    from agentrl.tools.serve import check_port, is_loopback
+    from agentrl.tools.serve import check_port
 
     token = bearer_token(args)
     if token is None and not is_loopback(args.host):

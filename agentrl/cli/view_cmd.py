@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -
 
 
 def _view(args: argparse.Namespace) -> int:
-    from agentrl.tools.serve import ServeError, check_port, is_loopback
+    from agentrl.addresses import is_loopback
+    from agentrl.tools.serve import ServeError, check_port
     from agentrl.viewer.server import serve
 
     run_dir = Path(args.run_dir)

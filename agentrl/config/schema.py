@@ -543,7 +543,7 @@ class GatewayConfig(Section):
 
     @model_validator(mode="after")
     def _token_off_loopback(self) -> GatewayConfig:
-        from agentrl.tools.serve import is_loopback
+        from agentrl.addresses import is_loopback
 
         if self.token_env is None and not is_loopback(self.host):
             raise ValueError(
