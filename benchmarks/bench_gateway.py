@@ -15,6 +15,9 @@ exactly `--tokens` tokens (ignore_eos), so each side does the same engine work.
 - `gateway_http`: the same over loopback HTTP, as an agent command (another process) reaches it.
 - `agent_sdk_alone`: the same SDK agents answered by httpx's MockTransport (no server, no engine): what the agent's
   own SDK costs per call against any endpoint.
+- `direct_with_sdk`: each turn, the SDK agent's call answered by MockTransport and then the direct path's engine
+  call: the agent's SDK paid in full (its CPU, and the time it adds between one agent's engine calls, which at few
+  agents leaves the engine smaller batches to run) against an endpoint that costs nothing.
 - `vllm_serve`: the same SDK agents against `vllm serve` on the same model (a subprocess; started after agentrl's
   engine is gone, never beside it), the endpoint a user would point agents at otherwise.
 
@@ -23,7 +26,9 @@ calls made, on an otherwise idle machine. The sides take turns, `--repeats` runs
 median of its side's runs (single runs of one side varied by up to 40% here). `overhead` = (gateway - direct -
 agent_sdk_alone) / gateway CPU per call, one ratio per repeat (its sides ran back to back) and the median of those:
 the gateway's share of a gateway turn's CPU, the agent's own SDK left out (it costs the same whichever endpoint the
-agent talks to); `overhead_with_sdk` keeps it in. Targets: overhead <=
+agent talks to); `overhead_with_sdk` keeps it in. `overhead_vs_direct_with_sdk` = (gateway - direct_with_sdk) /
+gateway, paired alike: the same SDK agent with and without the gateway between it and the engine, so the SDK's
+own effect on the engine's batches is left out too. Targets: overhead <=
 0.10, `vs_vllm_serve` >= 1.0.
 """
 
@@ -176,6 +181,22 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
                     replies.append(chat.model_text(g.token_ids))
                 client.release(f"d{agents}-{i}-{turns}")
 
+            sdk_only = _canned_clients(args.tokens)
+
+            async def direct_sdk(i: int, turns: int, agents: int = agents, sdk_only: Any = sdk_only) -> None:
+                """The SDK agent's own work each turn (a call answered by MockTransport), then the direct path's
+                engine call: an agent that pays its SDK against an endpoint that costs nothing."""
+                sdk, eid = sdk_only(i, turns), f"s{agents}-{i}-{turns}"
+                replies: list[str] = []
+                for turn in range(turns):
+                    messages = _messages(i, turn, replies)
+                    await sdk.chat.completions.create(
+                        model="agentrl", messages=messages, tools=[MOVE], max_tokens=args.tokens
+                    )
+                    g = await client.generate(eid, chat.prompt_ids(messages), sampling, f"{eid}-{turn}")
+                    replies.append(chat.model_text(g.token_ids))
+                client.release(eid)
+
             gw = Gateway(tok, client.generate, max_total_tokens=4096)
             await gw.start()
             sessions: dict[tuple[int, int], Any] = {}
@@ -198,7 +219,8 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
             )
             over_http = _sdk_player(_http_clients(f"{gw.url}/v1", key_for), "agentrl", args.tokens, [MOVE], done=done)
             canned = _sdk_player(_canned_clients(args.tokens), "agentrl", args.tokens, [MOVE])
-            plays = {"direct": direct, "gateway": in_process, "gateway_http": over_http, "agent_sdk_alone": canned}
+            plays = {"direct": direct, "gateway": in_process, "gateway_http": over_http, "agent_sdk_alone": canned,
+                     "direct_with_sdk": direct_sdk}  # fmt: skip
             out[str(agents)] = await _interleaved(plays, agents, args)
             out[str(agents)]["gateway"]["history_reused"] = bool(reused) and all(reused)
             await gw.stop()
@@ -274,6 +296,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             "overhead": _paired(lambda g, d, v: (g - d - v) / g, g, d, v),
             "overhead_with_sdk": _paired(lambda g, d: (g - d) / g, g, d),
             "overhead_http": _paired(lambda h, d, v: (h - d - v) / h, h, d, v),
+            "overhead_vs_direct_with_sdk": _paired(lambda g, ds: (g - ds) / g, g, runs["direct_with_sdk"]),
             "vs_vllm_serve": ours[agents]["gateway"]["calls_per_s"] / served_rate,
             "vs_vllm_serve_http": ours[agents]["gateway_http"]["calls_per_s"] / served_rate,
         }
