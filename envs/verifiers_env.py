@@ -88,11 +88,16 @@ class Worker:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            reply = json.loads(line)
+            try:
+                reply = json.loads(line)
+            except ValueError:  # a line cut short by the worker's death: its caller learns it below
+                continue
             future = self._waiting.pop(str(reply.pop("id", None) or "ready"), None)
             if future is not None and not future.done():
                 future.set_result(reply)
         self.proc.stdout.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # its output closed: it is exiting
+            self.proc.wait(timeout=5)
         with self._lock:  # the worker is gone: every caller still waiting learns it now
             waiting, self._waiting = self._waiting, {}
         for future in waiting.values():

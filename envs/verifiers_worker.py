@@ -74,12 +74,13 @@ class Worker:
         }
 
     async def serve(self, request: dict[str, Any]) -> None:
+        rid = request.get("id")
         try:
-            reply = await self.answer(request)
+            line = json.dumps({"id": rid, **await self.answer(request)})  # a row JSON cannot hold fails here too
         except Exception as err:  # one request's failure is its episode's, never the worker's
             tail = traceback.format_exc().strip().splitlines()[-1]
-            reply = {"error": f"{type(err).__name__}: {err}" if str(err) else tail}
-        self.out.write(json.dumps({"id": request.get("id"), **reply}) + "\n")
+            line = json.dumps({"id": rid, "error": f"{type(err).__name__}: {err}" if str(err) else tail})
+        self.out.write(line + "\n")
 
 
 async def main() -> None:

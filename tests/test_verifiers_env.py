@@ -52,6 +52,19 @@ def test_a_dead_worker_is_replaced():
     assert second is not first and second.submit({"op": "example", "index": 1}).result(timeout=30)["answer"] == "1"
 
 
+def test_a_worker_dying_mid_line_fails_its_callers_at_once(tmp_path, monkeypatch):
+    """A stand-in for a worker that dies in the middle of an answer (a shell script in place of verifiers'
+    python): the cut line is skipped and the caller hears of the exit, instead of waiting out its timeout."""
+    dying = tmp_path / "dying_python"
+    ready, cut = '{"ready": true, "train": 1, "eval": 1}', '{"id": "r0", "rew'
+    dying.write_text(f"#!/bin/sh\necho '{ready}'\nread line\nprintf '{cut}'\nexit 3\n")
+    dying.chmod(0o755)
+    monkeypatch.setenv("AGENTRL_VERIFIERS_PYTHON", str(dying))
+    worker = worker_for("dies_mid_line", {}, [])
+    with pytest.raises(VerifiersError, match=r"exited \(code 3\)"):
+        worker.submit({"op": "example", "index": 0}).result(timeout=20)
+
+
 @pytest.fixture(scope="module")
 def manager(vllm_fleet, tiny_model_path):
     _, _, router = vllm_fleet
