@@ -7,12 +7,16 @@ platform (a wrong gradient, mask, token or reward) trips them, not the noise of 
 - The tool example (examples/math_tools.yaml, the calculator in-process): from its recorded warm start
   (tests/data/math_tools_warm_start, the 500-step SFT of that example at bfe3e62, 71% held-out on these machines;
   a run with `trainer.sft.cache=true` leaves a new one in `model.cache_dir` when prompts change), held-out
-  greedy success at step 0 is far above zero, and 12 RL steps raise both held-out success and the sampled success of
-  the training batches. A 40-step run of the example from this warm start (seed 0): held-out 71% -> 84% at step
-  10; sampled success 0.17-0.23 in the first batches, 0.45-0.5 by step 10. With the policy gradient's sign
-  flipped this test saw 71.9% -> 0.8%. The sampled success of the first and last four batches (256 episodes each)
-  rose by 0.13-0.19 in four runs alone and by 0.06 in one run inside the loaded suite (the async order changes with
-  the load), so the guard asks for +0.03.
+  greedy success at step 0 is far above zero, and 12 RL steps raise both held-out success (the mean of its
+  validations at steps 6 and 12) and the sampled success of the training batches. A 40-step run of the example
+  from this warm start (seed 0): held-out 71% -> 84% at step 10; sampled success 0.17-0.23 in the first batches,
+  0.45-0.5 by step 10. With the policy gradient's sign flipped this test saw 71.9% -> 0.8%. The sampled success of
+  the first and last four batches (256 episodes each) rose by 0.13-0.19 in four runs alone and by 0.06 in one run
+  inside the loaded suite (the async order changes with the load), so the guard asks for +0.03. Held-out success
+  at step 12 rose by 10-18 points in eight runs two at a time (2026-12-07; 128 or 256 episodes), by 8.6 and 10.9
+  at step 6 in two of them; but one run inside the loaded suite validated 71.9% -> 72.7% at step 12 while its
+  sampled success rose by 0.20 as usual. One checkpoint can dip that far, so the guard asks the mean of steps 6
+  and 12 for +0.03.
 - The warm start's SFT, in the trainer alone (FSDP2 rank, no Ray): 80 steps on each example's own expert demos
   lower the loss on held-out demos well below where it starts (held-out loss measured first, under no_grad: the
   case where an FSDP2 optimizer once missed its model).
@@ -37,18 +41,19 @@ IN_PROCESS_CALCULATOR = 'tools.sets.calculator.calculator={python: "agentrl.tool
 def test_the_tool_example_learns_from_its_warm_start(tmp_path, spawn):
     args = ["-m", "agentrl", "train", str(ROOT / "examples" / "math_tools.yaml"), IN_PROCESS_CALCULATOR,
             f"model.path={WARM_START}", "trainer.sft.enabled=false", "trainer.total_steps=12", "seed=0",
-            "validation.every_steps=12", "validation.episodes_per_tag=128", "checkpoint.every_steps=0",
+            "validation.every_steps=6", "validation.episodes_per_tag=128", "checkpoint.every_steps=0",
             "logging.tensorboard=false", "logging.console=false", f"logging.run_dir={tmp_path}"]  # fmt: skip
     proc = spawn([sys.executable, *args], cwd=ROOT)
     assert proc.wait(timeout=600) == 0
     rows = list(read_jsonl(tmp_path / "metrics.jsonl"))
     val = {r["step"]: r["val/success"] for r in rows if "val/success" in r}
     sampled = [r["episode/success"] for r in rows if "episode/success" in r and "timing/step" in r]
-    assert len(sampled) == 12 and set(val) == {0, 12}, (val, len(sampled))
+    assert len(sampled) == 12 and set(val) == {0, 6, 12}, (val, len(sampled))
     first, last = statistics.mean(sampled[:4]), statistics.mean(sampled[-4:])
-    print(f"held-out {val[0]:.3f} -> {val[12]:.3f}, sampled success {first:.3f} -> {last:.3f}")
+    after = statistics.mean([val[6], val[12]])
+    print(f"held-out {val[0]:.3f} -> {val[6]:.3f} / {val[12]:.3f}, sampled success {first:.3f} -> {last:.3f}")
     assert val[0] > 0.5, f"the warm start's held-out success is {val[0]:.1%} (71% when recorded)"
-    assert val[12] > val[0] + 0.03, f"held-out success {val[0]:.1%} -> {val[12]:.1%} in 12 RL steps"
+    assert after > val[0] + 0.03, f"held-out success {val[0]:.1%} -> {val[6]:.1%} / {val[12]:.1%} at steps 6 / 12"
     assert last > first + 0.03, f"sampled success of the training batches {first:.2f} -> {last:.2f} in 12 RL steps"
 
 
