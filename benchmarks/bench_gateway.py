@@ -173,29 +173,24 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
     try:
         for agents in args.agents:
 
-            async def direct(i: int, turns: int, agents: int = agents) -> None:
-                replies: list[str] = []
-                for turn in range(turns):
-                    ids = chat.prompt_ids(_messages(i, turn, replies))
-                    g = await client.generate(f"d{agents}-{i}-{turns}", ids, sampling, f"d{agents}-{i}-{turns}-{turn}")
-                    replies.append(chat.model_text(g.token_ids))
-                client.release(f"d{agents}-{i}-{turns}")
+            def direct_player(prefix: str, sdk_for: Any = None, agents: int = agents) -> Any:
+                """The env manager's direct token path; with `sdk_for`, each turn first makes the SDK agent's call
+                (answered by MockTransport): an agent that pays its SDK against an endpoint that costs nothing."""
 
-            sdk_only = _canned_clients(args.tokens)
+                async def play(i: int, turns: int) -> None:
+                    eid, sdk = f"{prefix}{agents}-{i}-{turns}", sdk_for(i, turns) if sdk_for else None
+                    replies: list[str] = []
+                    for turn in range(turns):
+                        messages = _messages(i, turn, replies)
+                        if sdk is not None:
+                            await sdk.chat.completions.create(
+                                model="agentrl", messages=messages, tools=[MOVE], max_tokens=args.tokens
+                            )
+                        g = await client.generate(eid, chat.prompt_ids(messages), sampling, f"{eid}-{turn}")
+                        replies.append(chat.model_text(g.token_ids))
+                    client.release(eid)
 
-            async def direct_sdk(i: int, turns: int, agents: int = agents, sdk_only: Any = sdk_only) -> None:
-                """The SDK agent's own work each turn (a call answered by MockTransport), then the direct path's
-                engine call: an agent that pays its SDK against an endpoint that costs nothing."""
-                sdk, eid = sdk_only(i, turns), f"s{agents}-{i}-{turns}"
-                replies: list[str] = []
-                for turn in range(turns):
-                    messages = _messages(i, turn, replies)
-                    await sdk.chat.completions.create(
-                        model="agentrl", messages=messages, tools=[MOVE], max_tokens=args.tokens
-                    )
-                    g = await client.generate(eid, chat.prompt_ids(messages), sampling, f"{eid}-{turn}")
-                    replies.append(chat.model_text(g.token_ids))
-                client.release(eid)
+                return play
 
             gw = Gateway(tok, client.generate, max_total_tokens=4096)
             await gw.start()
@@ -219,8 +214,9 @@ async def _agentrl_sides(model_path: str, args: argparse.Namespace) -> dict[str,
             )
             over_http = _sdk_player(_http_clients(f"{gw.url}/v1", key_for), "agentrl", args.tokens, [MOVE], done=done)
             canned = _sdk_player(_canned_clients(args.tokens), "agentrl", args.tokens, [MOVE])
-            plays = {"direct": direct, "gateway": in_process, "gateway_http": over_http, "agent_sdk_alone": canned,
-                     "direct_with_sdk": direct_sdk}  # fmt: skip
+            with_sdk = direct_player("s", _canned_clients(args.tokens))
+            plays = {"direct": direct_player("d"), "gateway": in_process, "gateway_http": over_http,
+                     "agent_sdk_alone": canned, "direct_with_sdk": with_sdk}  # fmt: skip
             out[str(agents)] = await _interleaved(plays, agents, args)
             out[str(agents)]["gateway"]["history_reused"] = bool(reused) and all(reused)
             await gw.stop()
