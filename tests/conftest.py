@@ -38,26 +38,33 @@ SLOW_FILES_FIRST = [
     "test_cli_errors.py",
     "test_trainer_ranks.py",
 ]
-FLEET_GROUP = "vllm_fleet"
+# Session fixtures that start something once per run for several files: every file using one is one xdist unit (named
+# after the fixture), so that it starts once in the run instead of once per worker.
+SHARED_FIXTURES = ("vllm_fleet", "tool_example_run")
 # Tests using these start Ray, vLLM engines, trainer ranks, clusters or `agentrl` runs: seconds each. They (and tests
 # marked `heavy` by hand) are left out of `make test-fast`, the inner loop's tier.
 HEAVY_FIXTURES = {"ray_session", "vllm_fleet", "vllm_server", "spawn", "one_rank_group", "one_rank_run", "cluster",
-                  "cluster_run"}  # fmt: skip
+                  "cluster_run", "tool_example_run"}  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into its work units
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Work units for `pytest -n 2 --dist loadgroup` (make test): one per file, except that every file using the
-    session's `vllm_fleet` is one unit, so that the two-engine fleet starts once in the run instead of once per
-    worker; units start slowest first (SLOW_FILES_FIRST, then the fleet, then the rest in collection order)."""
-    fleet_files = {item.path for item in items if FLEET_GROUP in getattr(item, "fixturenames", ())}
+    """Work units for `pytest -n 2 --dist loadgroup` (make test): one per file, except that the files using one of
+    SHARED_FIXTURES are one unit; units start slowest first (SLOW_FILES_FIRST, a shared unit at its first file's
+    place or else after them, then the rest in collection order)."""
+    shared = {i.path: name for i in items for name in SHARED_FIXTURES if name in getattr(i, "fixturenames", ())}
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    unit_rank: dict[str, int] = {}
+    for item in items:
+        if item.path in shared:
+            place = rank.get(item.path.name, len(rank))
+            unit_rank[shared[item.path]] = min(place, unit_rank.get(shared[item.path], place))
 
     def unit(item: pytest.Item) -> str:
-        return FLEET_GROUP if item.path in fleet_files else item.nodeid.split("::")[0]  # the path: names may repeat
+        return shared.get(item.path) or item.nodeid.split("::")[0]  # the path: names may repeat
 
     def order(item: pytest.Item) -> int:
-        return len(rank) if unit(item) == FLEET_GROUP else rank.get(item.path.name, len(rank) + 1)
+        return unit_rank[shared[item.path]] if item.path in shared else rank.get(item.path.name, len(rank) + 1)
 
     items.sort(key=order)  # stable: the order within a unit stays the collection's
     for item in items:
@@ -111,6 +118,35 @@ def vllm_fleet(ray_session, tiny_model_path):
     for handle in [*engines, router]:
         with contextlib.suppress(Exception):  # already gone if a test killed it
             ray_session.kill(handle)
+
+
+TOOL_EXAMPLE_WARM_START = Path(__file__).parent / "data" / "math_tools_warm_start"
+
+
+@pytest.fixture(scope="session")
+def tool_example_run(tmp_path_factory) -> Iterator[tuple[Path, str]]:
+    """(run dir, stdout) of one `agentrl train examples/math_tools.yaml` (a subprocess, the calculator in-process),
+    12 RL steps from the example's recorded warm start, validated at steps 0, 6 and 12 on 128 episodes a tag, with
+    episodes logged and batches saved every step: the learning guard reads its learning, the viewer's tests what a
+    user sees of it (one launch for both; each had its own)."""
+    root = Path(__file__).resolve().parents[1]
+    run_dir = tmp_path_factory.mktemp("tool_example") / "run"
+    args = [sys.executable, "-m", "agentrl", "train", str(root / "examples" / "math_tools.yaml"),
+            'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}',
+            f"model.path={TOOL_EXAMPLE_WARM_START}", "trainer.sft.enabled=false", "trainer.total_steps=12", "seed=0",
+            "validation.every_steps=6", "validation.episodes_per_tag=128", "checkpoint.every_steps=0",
+            "logging.sample_every_steps=1", "logging.save_batches=true", "logging.console=false",
+            f"logging.run_dir={run_dir}"]  # fmt: skip
+    proc = subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:  # pass, fail or timeout: the run and everything it started end here
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    yield run_dir, out
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
-"""What a user sees of a run: the episodes a real run logged (`agentrl train` of the calculator tool example, 2 steps,
-as a subprocess) checked against the batches it trained on, and `agentrl view` on that run dir: its API's
-refusals (TestClient), and the page in a real headless browser (Debian's chromium through its chromedriver and
-selenium; no browser download) showing the curves, an episode's turns, and a new step as the run writes it."""
+"""What a user sees of a run: the episodes a real run logged (`agentrl train` of the calculator tool example, 12 steps,
+as a subprocess: the learning guard's run) checked against the batches it trained on, and `agentrl view` on that run
+dir: its API's refusals (TestClient), and the page in a real headless browser (Debian's chromium through its
+chromedriver and selenium; no browser download) showing the curves, an episode's turns, and a new step as the run
+writes it."""
 
 from __future__ import annotations
 
@@ -20,25 +21,15 @@ from agentrl.trainer import advantages as adv_lib
 from tests.servers import free_port, wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
-WARM_START = ROOT / "tests" / "data" / "math_tools_warm_start"  # the example's own SFT warm start: real tool calls
 pytestmark = [pytest.mark.heavy, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def tool_run(tmp_path_factory) -> Path:
-    """A 2-step run of examples/math_tools.yaml (in-process calculator) that logs episodes every step."""
-    run_dir = tmp_path_factory.mktemp("tool_run") / "run"
-    overrides = [
-        'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}',
-        f"model.path={WARM_START}", "trainer.sft.enabled=false", "trainer.total_steps=2",
-        "envs.train.math.group_size=4", "envs.train.math.groups_per_batch=2", "validation.every_steps=2",
-        "validation.episodes_per_tag=4", "logging.sample_every_steps=1", "logging.save_batches=true",
-        f"logging.run_dir={run_dir}", "logging.console=false",
-    ]  # fmt: skip
-    cmd = [sys.executable, "-m", "agentrl", "train", str(ROOT / "examples" / "math_tools.yaml"), *overrides]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    summary = "".join(res.stdout.split())  # the table wraps long paths
+def tool_run(tool_example_run) -> Path:
+    """The learning guard's run of examples/math_tools.yaml (tests/conftest.py): 12 RL steps, episodes logged and
+    batches saved every step, validated at steps 0, 6 and 12."""
+    run_dir, stdout = tool_example_run
+    summary = "".join(stdout.split())  # the table wraps long paths
     assert f"viewer agentrl view {run_dir}".replace(" ", "") in summary, "the end-of-run summary names the viewer"
     return run_dir
 
@@ -77,8 +68,8 @@ def test_logged_episodes_are_the_trained_samples(tool_run):
                         tool_calls += 1
                         assert "expression" in call["arguments"] and e["messages"][k + 1]["role"] == "tool"
     assert tool_calls > 0, "the warm-started policy calls its calculator, and the log shows the calls"
-    validation = [e for s in (0, 2) for e in read_episodes(episodes_file(tool_run, s)) if e["phase"] == "validation"]
-    assert {e["step"] for e in validation} == {0, 2} and all("advantages" not in e["turns"][0] for e in validation)
+    validation = [e for s in (0, 6) for e in read_episodes(episodes_file(tool_run, s)) if e["phase"] == "validation"]
+    assert {e["step"] for e in validation} == {0, 6} and all("advantages" not in e["turns"][0] for e in validation)
 
 
 def test_the_episodes_reach_tensorboard_as_text(tool_run):
@@ -87,7 +78,7 @@ def test_the_episodes_reach_tensorboard_as_text(tool_run):
     acc = EventAccumulator(str(tool_run / "tensorboard"), size_guidance={"tensors": 0})
     acc.Reload()
     texts = acc.Tensors("episodes/train/math/text_summary")
-    assert [t.step for t in texts] == [1, 2]
+    assert [t.step for t in texts] == list(range(1, 13))
     assert "calculator" in texts[0].tensor_proto.string_val[0].decode()
 
 
@@ -111,9 +102,9 @@ def test_the_api_refuses_paths_outside_the_run_dir_and_bad_parameters(tool_run, 
                     "/api/metrics?since=abc"):  # fmt: skip
             assert client.get(url).status_code == 422, url
         assert client.get("/api/episodes/99").status_code == 404
-        assert [e["phase"] for e in client.get("/api/episodes/2?phase=validation").json()] == ["validation"] * 3
+        assert [e["phase"] for e in client.get("/api/episodes/6?phase=validation").json()] == ["validation"] * 3
         rows = client.get("/api/metrics?since=0").json()
-        assert rows["next"] == len(rows["rows"]) and {r["step"] for r in rows["rows"]} >= {0, 1, 2}
+        assert rows["next"] == len(rows["rows"]) and {r["step"] for r in rows["rows"]} >= set(range(13))
         assert client.get(f"/api/metrics?since={rows['next']}").json() == {"rows": [], "next": rows["next"]}
 
         guarded = TestClient(build_app(tool_run, token="s3cret"))
@@ -208,7 +199,8 @@ def test_the_page_shows_curves_episodes_and_a_new_step_as_the_run_writes_it(tool
               == "step 2")  # fmt: skip
         driver.find_element(By.CSS_SELECTOR, '.tab[data-tab="curves"]').click()
         legend = driver.find_element(By.CSS_SELECTOR, '.panel[data-title="loss"] .legend').text
-        last_loss = [json.loads(r) for r in rows if "train/loss" in json.loads(r)][-1]["train/loss"]
+        shown_rows = [row for row in map(json.loads, rows) if row["step"] <= 2]  # what the live run dir holds
+        last_loss = [row for row in shown_rows if "train/loss" in row][-1]["train/loss"]
         shown = float(legend.split("train/loss ")[1].split()[0])  # the legend's latest value (4 significant digits)
         assert shown == pytest.approx(last_loss, rel=1e-3)
         driver.find_element(By.CSS_SELECTOR, '.tab[data-tab="config"]').click()
