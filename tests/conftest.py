@@ -40,11 +40,12 @@ SLOW_FILES_FIRST = [
 ]
 # Session fixtures that start something once per run for several files: every file using one is one xdist unit (named
 # after the fixture), so that it starts once in the run instead of once per worker.
-SHARED_FIXTURES = ("vllm_fleet", "tool_example_run")
+SHARED_FIXTURES = ("vllm_fleet", "tool_example_run", "getting_started_run")
+pytest_plugins = ["tests.shared_runs"]  # the whole runs that several files read
 # Tests using these start Ray, vLLM engines, trainer ranks, clusters or `agentrl` runs: seconds each. They (and tests
 # marked `heavy` by hand) are left out of `make test-fast`, the inner loop's tier.
 HEAVY_FIXTURES = {"ray_session", "vllm_fleet", "vllm_server", "spawn", "one_rank_group", "one_rank_run", "cluster",
-                  "cluster_run", "tool_example_run"}  # fmt: skip
+                  "cluster_run", *SHARED_FIXTURES}  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which turns the marks into its work units
@@ -118,35 +119,6 @@ def vllm_fleet(ray_session, tiny_model_path):
     for handle in [*engines, router]:
         with contextlib.suppress(Exception):  # already gone if a test killed it
             ray_session.kill(handle)
-
-
-TOOL_EXAMPLE_WARM_START = Path(__file__).parent / "data" / "math_tools_warm_start"
-
-
-@pytest.fixture(scope="session")
-def tool_example_run(tmp_path_factory) -> Iterator[tuple[Path, str]]:
-    """(run dir, stdout) of one `agentrl train examples/math_tools.yaml` (a subprocess, the calculator in-process),
-    12 RL steps from the example's recorded warm start, validated at steps 0, 6 and 12 on 128 episodes a tag, with
-    episodes logged and batches saved every step: the learning guard reads its learning, the viewer's tests what a
-    user sees of it (one launch for both; each had its own)."""
-    root = Path(__file__).resolve().parents[1]
-    run_dir = tmp_path_factory.mktemp("tool_example") / "run"
-    args = [sys.executable, "-m", "agentrl", "train", str(root / "examples" / "math_tools.yaml"),
-            'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}',
-            f"model.path={TOOL_EXAMPLE_WARM_START}", "trainer.sft.enabled=false", "trainer.total_steps=12", "seed=0",
-            "validation.every_steps=6", "validation.episodes_per_tag=128", "checkpoint.every_steps=0",
-            "logging.sample_every_steps=1", "logging.save_batches=true", "logging.console=false",
-            f"logging.run_dir={run_dir}"]  # fmt: skip
-    proc = subprocess.Popen(args, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=600)
-    finally:  # pass, fail or timeout: the run and everything it started end here
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    yield run_dir, out
 
 
 @pytest.fixture

@@ -2,73 +2,30 @@
 
 from __future__ import annotations
 
-import fcntl
 import io
-import os
-import pty
 import re
-import select
-import struct
-import sys
-import termios
-import time
 
 import pytest
 from rich.console import Console
 
 from agentrl.observe.console import RunView, fit
-from tests.cli_run import ROOT
-
-WIDTH = 72
-TINY = ["tests/configs/tiny_pipeline.yaml", "logging.console=true", "trainer.total_steps=2", "checkpoint.every_steps=0",
-        "trainer.sft.episodes=8"]  # fmt: skip
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
-
-
-def _env(**extra: str) -> dict[str, str]:
-    rich = ("COLUMNS", "LINES", "FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")  # what decides rich's view
-    env = {k: v for k, v in os.environ.items() if k not in rich}
-    return {**env, **extra}
-
-
-def _train_in_pty(spawn, run_dir: str, width: int) -> tuple[int, str]:
-    """`agentrl train` with a pseudo-terminal `width` columns wide as stdin/stdout/stderr; (exit code, output)."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, width, 0, 0))
-    proc = spawn(
-        [sys.executable, "-m", "agentrl", "train", *TINY, f"logging.run_dir={run_dir}"],
-        cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, env=_env(TERM="xterm-256color"),
-    )  # fmt: skip
-    os.close(slave)
-    out, deadline = b"", time.monotonic() + 240
-    try:  # read until the driver has exited and the terminal is drained (Ray's daemons may keep it open)
-        while time.monotonic() < deadline:
-            if not select.select([master], [], [], 0.5)[0]:
-                if proc.poll() is not None:
-                    break
-                continue
-            try:
-                out += os.read(master, 65536)
-            except OSError:  # EIO: every process closed the terminal
-                break
-    finally:
-        os.close(master)
-    return proc.wait(timeout=30), out.decode(errors="replace")
+from tests.shared_runs import TERMINAL_WIDTH, strip_ansi
 
 
 @pytest.mark.slow
-def test_progress_view_on_a_terminal(tmp_path, spawn):
-    # A tiny run (warm start, validations at steps 0 and 2, two RL steps) in a terminal. The same view without one
-    # (plain lines no wider than $COLUMNS) is checked on the run of tests/test_packaging.py's card command.
-    code, shown = _train_in_pty(spawn, str(tmp_path / "tty"), WIDTH)
+def test_progress_view_on_a_terminal(getting_started_run):
+    # The getting-started page's run (warm start, validations at steps 0 and 2, two RL steps; tests/shared_runs.py)
+    # in a terminal. The same view without one (plain lines no wider than $COLUMNS) is checked on the run of
+    # tests/test_packaging.py's card command.
+    _, code, shown = getting_started_run
 
     assert code == 0, shown
     assert "\x1b[" in shown and "━" in shown  # a live, coloured view with bars...
     for words in ("warm start: SFT", "validation at step 0", "RL steps", "2/2", "ETA", "success", "s/step"):
         assert words in shown, words
-    screen = ANSI.sub("", shown)
+    screen = strip_ansi(shown)
     for segment in re.split(r"[\r\n]+", screen):  # ...redrawn in place: no drawn line wraps the terminal
-        assert len(segment) <= WIDTH, segment
+        assert len(segment) <= TERMINAL_WIDTH, segment
     for words in ("started Ray", "validation at step 0: success", "held-out success", "--resume"):
         assert words in screen, words  # lines left above the view, then the summary table
     assert "Token authentication" not in screen

@@ -15,6 +15,7 @@ import pytest
 from agentrl.cli import build_parser
 from agentrl.cli.reference import cli_reference
 from agentrl.config.reference import _section_doc, config_keys, config_reference
+from tests.shared_runs import getting_started_files, strip_ansi
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -65,23 +66,16 @@ def test_the_readme_and_docs_name_only_commands_and_targets_that_exist():
 
 @pytest.mark.slow
 @pytest.mark.heavy
-def test_the_getting_started_page_works_as_written(tmp_path):
-    """The page's files, written out as a user would, pass check-env and train (shortened: 2 RL steps)."""
-    page = (DOCS / "getting-started.md").read_text()
-    files = re.findall(r'```\w+ title="([^"]+)"\n(.*?)```', page, re.S)
-    assert [name for name, _ in files] == ["walk_env.py", "walk.yaml"]
-    for name, body in files:
-        (tmp_path / name).write_text(body)
-    agentrl = [sys.executable, "-m", "agentrl"]
-    check = subprocess.run([*agentrl, "check-env", "walk/NumberWalk-v0", "--import", "walk_env"], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
+def test_the_getting_started_page_works_as_written(getting_started_run):
+    """The page's files, written out as a user would, pass check-env and train (shortened: 2 RL steps) in a
+    terminal (tests/shared_runs.py)."""
+    folder, code, shown = getting_started_run
+    assert [name for name, _ in getting_started_files()] == ["walk_env.py", "walk.yaml"]
+    check = subprocess.run([sys.executable, "-m", "agentrl", "check-env", "walk/NumberWalk-v0", "--import", "walk_env"],
+                           cwd=folder, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert check.returncode == 0 and "walk/NumberWalk-v0: OK" in check.stdout, check.stdout + check.stderr
     assert "expert  success 100.0%" in check.stdout
-    short = ["trainer.total_steps=2", "trainer.sft.episodes=64", "trainer.sft.steps=10", "validation.every_steps=2",
-             "validation.episodes_per_tag=4", "logging.sample_every_steps=1", "logging.console=false"]  # fmt: skip
-    train = subprocess.run([*agentrl, "train", "walk.yaml", "--import", "walk_env", *short], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert train.returncode == 0, train.stderr[-3000:]
-    run = tmp_path / "runs" / "walk"
-    assert "held-out success" in train.stdout and (run / "checkpoints").is_dir()
+    assert code == 0, shown[-3000:]
+    run = folder / "runs" / "walk"
+    assert "held-out success" in strip_ansi(shown) and (run / "checkpoints").is_dir()
     assert sorted(p.name for p in (run / "episodes").iterdir())[-1] == "step-000002.jsonl"
