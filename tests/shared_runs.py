@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.cli_run import ROOT
+
 TOOL_EXAMPLE_WARM_START = ROOT / "tests" / "data" / "math_tools_warm_start"
+IN_PROCESS_CALCULATOR = 'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}'
 TERMINAL_WIDTH = 72  # the terminal the getting-started run draws its live view on
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")  # a terminal's control sequences
 
@@ -45,7 +47,7 @@ def tool_example_run(tmp_path_factory) -> tuple[Path, str]:
     of it."""
     run_dir = tmp_path_factory.mktemp("tool_example") / "run"
     args = [sys.executable, "-m", "agentrl", "train", str(ROOT / "examples" / "math_tools.yaml"),
-            'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}',
+            IN_PROCESS_CALCULATOR,
             f"model.path={TOOL_EXAMPLE_WARM_START}", "trainer.sft.enabled=false", "trainer.total_steps=12", "seed=0",
             "validation.every_steps=6", "validation.episodes_per_tag=128", "checkpoint.every_steps=0",
             "logging.sample_every_steps=1", "logging.save_batches=true", "logging.console=false",

@@ -29,8 +29,7 @@ import pytest
 
 from agentrl.observe.metrics import read_jsonl
 from tests.cli_run import ROOT
-
-IN_PROCESS_CALCULATOR = 'tools.sets.calculator.calculator={python: "agentrl.tools.calculator:calculator"}'
+from tests.shared_runs import IN_PROCESS_CALCULATOR
 
 
 @pytest.mark.slow
