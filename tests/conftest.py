@@ -20,6 +20,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Every Ray a test (or a run it starts) brings up is a local one of its own: never a cluster that `ray start` left
 # in /tmp/ray, such as a two-node test's running beside it under pytest-xdist. Tests of clusters pass addresses.
 os.environ.setdefault("RAY_ADDRESS", "local")
+# As `agentrl train` sets for the Ray it starts (agentrl.run.startup.init_ray): no idle worker per CPU at a Ray's start,
+# which this suite's own Rays (ray_session: 8 CPUs) would otherwise pay a Ray import each for.
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # The files whose whole runs take a minute or more on 2 cores (`--durations` at 7d4c34e), slowest first: under
 # pytest-xdist they start first, so that no long file starts last and leaves the other worker idle at the end.

@@ -117,6 +117,11 @@ def init_ray(address: str | None, quiet: bool = True) -> None:
     # Ray's notice that its local cluster uses token authentication says nothing a user must act on.
     if quiet:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    # A Ray that this call starts prestarts one idle worker per CPU for the job's runtime env. Every agentrl actor
+    # and task carries its own env_vars (thread caps, platform), so Ray starts a worker of its own for each and the
+    # prestarted ones only cost a Ray import each (2 of 3 idle workers after a run here; one per core on a big
+    # node). The raylet reads this at its start: a cluster this call joins keeps its own setting.
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(
         address=address,
         runtime_env=ray_runtime_env(),

@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # the router imports this module (through the engine factory it restarts engines with): no torch
+    import torch
 
 PEFT_PREFIX = "base_model.model."
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
