@@ -40,6 +40,7 @@ def _engine(addr: str, port: int, metas: list, fate: str, queue) -> None:
     "killed" (SIGKILLs itself a third of the way in) or "hung" (SIGSTOPs itself there)."""
     torch.set_num_threads(1)
     wanted = [TensorMeta(name, tuple(shape), dtype) for name, shape, dtype in metas]
+    queue.put("ready")  # imported (a spawned process's imports take seconds): the sync may start
     group = new_group("gloo", addr, port, 1, 2, TIMEOUT_S)
     got = {}
     for name, t in receive_state_dict(group, wanted, torch.device("cpu"), BUCKET_BYTES):
@@ -75,6 +76,9 @@ class Engine:
         self.queue = ctx.Queue()
         self.proc = ctx.Process(target=_engine, args=(addr, port, metas, fate, self.queue), daemon=True)
         self.proc.start()
+        # The group's timeout covers the join and the transfer, as for an engine that is up: not this process's
+        # start, which took more than TIMEOUT_S on a loaded 2-core machine (the join then timed out, 1/2 clients).
+        assert self.queue.get(timeout=120) == "ready"
         where = asdict(SyncGroup(addr, port, 2, "gloo", TIMEOUT_S))
         self.started = time.monotonic()
         self.sent = trainer.broadcast_weights_async(where, "float32", BUCKET_BYTES)
