@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.run.startup import NO_PRESTARTED_WORKERS
+
 # Engines in tests: the tiny model takes ~1 KiB of KV a token, and vLLM-CPU zero-fills its cache at start (~2.5 s
 # a GiB on our machines): 128 MiB holds 128K tokens, more than any test keeps in flight.
 TEST_KV_CACHE_GIB = 0.125
@@ -22,7 +24,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_ADDRESS", "local")
 # As `agentrl train` sets for the Ray it starts (agentrl.run.startup.init_ray): no idle worker per CPU at a Ray's start,
 # which this suite's own Rays (ray_session: 8 CPUs) would otherwise pay a Ray import each for.
-os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+os.environ.setdefault(*NO_PRESTARTED_WORKERS)
 
 # The files whose whole runs take a minute or more on 2 cores (`--durations` at 7d4c34e), slowest first: under
 # pytest-xdist they start first, so that no long file starts last and leaves the other worker idle at the end.

@@ -51,7 +51,7 @@ def test_which_addresses_start_a_ray_of_this_machine_alone(monkeypatch, config_a
 
 
 def test_the_router_process_imports_no_torch() -> None:
-    """The router actor loads the rollout modules (its engine factory names the engine class) but never runs a
+    """The router actor's process loads the rollout modules (agentrl.rollout.vllm_engine among them) but never runs a
     model: importing torch there cost ~3 CPU-seconds of each run's start (the LoRA adapter helpers imported it)."""
     code = (
         "import sys, agentrl.rollout.router, agentrl.rollout.fleet, agentrl.rollout.vllm_engine; "

@@ -105,6 +105,9 @@ def _check_nodes(kinds: Kinds, device: str | None, nodes: list[Mapping[str, floa
         )
 
 
+NO_PRESTARTED_WORKERS = ("RAY_prestart_worker_first_driver", "0")  # Ray's setting, read by a raylet at its start
+
+
 def init_ray(address: str | None, quiet: bool = True) -> None:
     """Join or start Ray (once per process), handing every worker the run's user modules. quiet: without Ray's
     start-up notices (`--verbose` shows them)."""
@@ -121,7 +124,7 @@ def init_ray(address: str | None, quiet: bool = True) -> None:
     # and task carries its own env_vars (thread caps, platform), so Ray starts a worker of its own for each and the
     # prestarted ones only cost a Ray import each (2 of 3 idle workers after a run here; one per core on a big
     # node). The raylet reads this at its start: a cluster this call joins keeps its own setting.
-    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+    os.environ.setdefault(*NO_PRESTARTED_WORKERS)
     ray.init(
         address=address,
         runtime_env=ray_runtime_env(),

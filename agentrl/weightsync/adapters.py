@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # the router imports this module (through the engine factory it restarts engines with): no torch
+if TYPE_CHECKING:  # the router's process loads this module (with agentrl.rollout.vllm_engine): no torch there
     import torch
 
 PEFT_PREFIX = "base_model.model."
